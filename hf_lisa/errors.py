@@ -1,0 +1,16 @@
+"""Clear errors for the ways users commonly misuse hf-lisa."""
+
+from __future__ import annotations
+
+MISSING_IMPORT_HINT = (
+    "This adapter was trained with LISA (adapter_config.json says \"peft_type\": \"LISA\"), a PEFT method provided by "
+    "the hf-lisa package. Run `pip install hf-lisa` and `import hf_lisa` before loading it, or load it with "
+    "`hf_lisa.from_pretrained(...)`."
+)
+
+
+class LisaNotRegisteredError(KeyError):
+    """Raised instead of PEFT's bare ``KeyError: 'LISA'`` when a LISA adapter is loaded without ``import hf_lisa``."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0] if self.args else MISSING_IMPORT_HINT

@@ -1,0 +1,273 @@
+"""LISA tuner layers: ``y = base(x) + s · x (M ⊙ (B A))ᵀ`` on ``nn.Linear`` and transformers' ``Conv1D``."""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils.other import transpose
+from torch import nn
+
+from . import masks as M
+from .config import LisaConfig
+
+
+class LisaLayer(BaseTunerLayer):
+    """Mixin holding the per-adapter state of one adapted module.
+
+    ``lisa_A``/``lisa_B`` are the trainable factors; ``lisa_mask`` holds the structured mask ``M`` bit-packed on its
+    selection grid (one bit per block for the block structure), so it travels inside ``adapter_model.safetensors``
+    at a 32nd (entries) or 128th (2×2 blocks) of the fp32 weight's size. Adapters with sparsity 0 have no mask and run
+    the plain LoRA path.
+    """
+
+    adapter_layer_names = ("lisa_A", "lisa_B")
+    other_param_names = ("r", "lisa_alpha", "scaling", "lisa_dropout", "lisa_mask", "lisa_mask_spec")
+
+    def __init__(self, base_layer: nn.Module, **kwargs) -> None:
+        self.base_layer = base_layer
+        self.r: dict[str, int] = {}
+        self.lisa_alpha: dict[str, float] = {}
+        self.scaling: dict[str, float] = {}
+        self.lisa_dropout = nn.ModuleDict({})
+        self.lisa_A = nn.ModuleDict({})
+        self.lisa_B = nn.ModuleDict({})
+        self.lisa_mask = BufferDict({}, persistent=True)
+        # structure, sparsity, block size and n:m of each sparse adapter; derived from the config, never saved
+        self.lisa_mask_spec: dict[str, dict[str, Any]] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        # importance accumulation (|dL/dW| pooled on the selection grid), driven by the mask scheduler
+        self.lisa_track_importance = False
+        self.lisa_importance: dict[str, torch.Tensor] = {}
+        self._mask_cache: dict[str, tuple[tuple, torch.Tensor]] = {}
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        if in_features is None:
+            raise TypeError(f"LISA supports nn.Linear and Conv1D targets, got {type(self.get_base_layer()).__name__}.")
+        self.in_features, self.out_features = in_features, out_features
+        self.kwargs = kwargs
+
+    # -- construction ----------------------------------------------------------------------------------------------------
+    def update_layer(
+        self,
+        adapter_name: str,
+        r: int,
+        lisa_alpha: float,
+        sparsity: float,
+        config: LisaConfig,
+        module_key: str = "",
+        inference_mode: bool = False,
+    ) -> None:
+        shape = (self.out_features, self.in_features)
+        if sparsity > 0:
+            reason = M.check_structure_fits(shape, config.sparsity_structure, config.block_size, config.n_m)
+            if reason:
+                raise ValueError(
+                    f"LisaConfig.sparsity_structure={config.sparsity_structure!r} cannot be applied to module "
+                    f"{module_key!r}: {reason}. Pick a block_size / n_m that divides the weight, or exclude the module "
+                    "(sparsity_pattern={...: 0.0} or exclude_modules)."
+                )
+        self.r[adapter_name] = r
+        self.lisa_alpha[adapter_name] = lisa_alpha
+        self.scaling[adapter_name] = lisa_alpha / r
+        self.lisa_dropout[adapter_name] = nn.Dropout(config.lisa_dropout) if config.lisa_dropout > 0 else nn.Identity()
+        self.lisa_A[adapter_name] = nn.Linear(self.in_features, r, bias=False)
+        self.lisa_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
+        self.reset_lisa_parameters(adapter_name, config.init_weights)
+        if sparsity > 0:
+            self.lisa_mask_spec[adapter_name] = {
+                "structure": config.sparsity_structure,
+                "sparsity": sparsity,
+                "block_size": tuple(config.block_size),
+                "n_m": tuple(config.n_m),
+                "mask_init": config.mask_init,
+            }
+            self.set_mask(adapter_name, self._initial_mask(adapter_name, config, module_key))
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def reset_lisa_parameters(self, adapter_name: str, init_weights: bool) -> None:
+        # A as in LoRA (Kaiming uniform), B = 0 so that the delta starts at zero. Seed 000's sample code draws B from
+        # randn, which would perturb the pretrained model before the first step.
+        nn.init.kaiming_uniform_(self.lisa_A[adapter_name].weight, a=5**0.5)
+        if init_weights:
+            nn.init.zeros_(self.lisa_B[adapter_name].weight)
+        else:
+            nn.init.normal_(self.lisa_B[adapter_name].weight, std=0.1)
+
+    def _initial_mask(self, adapter_name: str, config: LisaConfig, module_key: str) -> torch.Tensor:
+        spec = self.lisa_mask_spec[adapter_name]
+        shape = (self.out_features, self.in_features)
+        if config.mask_init == "dense":
+            return torch.ones(shape, dtype=torch.bool)
+        if config.mask_init == "random":
+            # one seed per module, stable across processes (no Python hash randomisation)
+            scores = M.random_scores(shape, config.mask_seed * 1_000_003 + zlib.crc32(module_key.encode()))
+        else:
+            # "magnitude", and the provisional mask of "importance" until the scheduler has gradients to score
+            scores = M.magnitude_scores(self.base_weight_out_in())
+        return M.select_mask(scores, spec["structure"], spec["sparsity"], spec["block_size"], spec["n_m"])
+
+    # -- masks -----------------------------------------------------------------------------------------------------------
+    def base_weight_out_in(self) -> torch.Tensor:
+        """The base weight in ``(out, in)`` layout, whatever the module stores."""
+        return transpose(self.get_base_layer().weight, self.fan_in_fan_out)
+
+    def set_mask(self, adapter_name: str, mask: torch.Tensor) -> None:
+        """Install a full ``(out, in)`` boolean mask after checking it has the adapter's structure."""
+        spec = self.lisa_mask_spec[adapter_name]
+        mask = mask.bool()
+        if tuple(mask.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"mask shape {tuple(mask.shape)} != ({self.out_features}, {self.in_features})")
+        grid = mask
+        if spec["structure"] == "block":
+            bo, bi = spec["block_size"]
+            grid = mask[::bo, ::bi]
+            if not torch.equal(M.expand_grid(grid, "block", spec["block_size"]), mask):
+                raise ValueError("mask is not made of whole blocks of block_size")
+        packed = M.pack_mask(grid.cpu())
+        old = self.lisa_mask[adapter_name] if adapter_name in self.lisa_mask else None
+        if old is not None and old.shape == packed.shape:
+            old.copy_(packed.to(old.device))  # in place: DDP/FSDP keep seeing the same buffer
+        else:
+            device = self.lisa_A[adapter_name].weight.device if adapter_name in self.lisa_A else None
+            self.lisa_mask[adapter_name] = packed.to(device) if device is not None else packed
+
+    def get_mask(self, adapter_name: str) -> Optional[torch.Tensor]:
+        """The full ``(out, in)`` boolean mask, or ``None`` for a dense (LoRA-equivalent) adapter."""
+        if adapter_name not in self.lisa_mask:
+            return None
+        packed = self.lisa_mask[adapter_name]
+        key = (id(packed), packed._version, packed.device)
+        cached = self._mask_cache.get(adapter_name)
+        if cached is None or cached[0] != key:
+            spec = self.lisa_mask_spec[adapter_name]
+            grid_shape = M.grid_shape((self.out_features, self.in_features), spec["structure"], spec["block_size"])
+            grid = M.unpack_mask(packed, grid_shape)
+            cached = (key, M.expand_grid(grid, spec["structure"], spec["block_size"]))
+            self._mask_cache[adapter_name] = cached
+        return cached[1]
+
+    def _accumulate_importance(self, adapter_name: str, grad: torch.Tensor) -> None:
+        spec = self.lisa_mask_spec[adapter_name]
+        pooled = M.pool_scores(grad.detach().abs().float(), spec["structure"], spec["block_size"])
+        acc = self.lisa_importance.get(adapter_name)
+        self.lisa_importance[adapter_name] = pooled if acc is None else acc + pooled
+
+    # -- delta -----------------------------------------------------------------------------------------------------------
+    def _delta_out_in(self, adapter_name: str) -> torch.Tensor:
+        delta = self.lisa_B[adapter_name].weight @ self.lisa_A[adapter_name].weight
+        mask = self.get_mask(adapter_name)
+        if mask is not None:
+            delta = delta * mask.to(delta.device)
+        return delta * self.scaling[adapter_name]
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """``s · M ⊙ (B A)`` in the layout of the base weight."""
+        weight_B = self.lisa_B[adapter_name].weight
+        dtype = weight_B.dtype
+        cast = weight_B.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+        if cast:  # CPU matmul in half precision is slow and inexact: compute in fp32
+            with torch.no_grad():
+                delta = (weight_B.float() @ self.lisa_A[adapter_name].weight.float()) * self.scaling[adapter_name]
+                mask = self.get_mask(adapter_name)
+                if mask is not None:
+                    delta = delta * mask
+            return transpose(delta, self.fan_in_fan_out).to(dtype)
+        return transpose(self._delta_out_in(adapter_name), self.fan_in_fan_out)
+
+    def set_scale(self, adapter: str, scale: float) -> None:
+        if adapter in self.scaling:
+            self.scaling[adapter] = scale * self.lisa_alpha[adapter] / self.r[adapter]
+
+
+class Linear(nn.Module, LisaLayer):
+    """LISA on ``nn.Linear`` (``fan_in_fan_out=False``) or transformers' ``Conv1D`` (``fan_in_fan_out=True``)."""
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: LisaConfig,
+        r: int,
+        lisa_alpha: float,
+        sparsity: float,
+        fan_in_fan_out: bool = False,
+        module_key: str = "",
+        **kwargs,
+    ) -> None:
+        super().__init__()
+        LisaLayer.__init__(self, base_layer, **kwargs)
+        self.fan_in_fan_out = fan_in_fan_out
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lisa_alpha, sparsity, config, module_key=module_key)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Fold the active adapters' deltas into the base weight.
+
+        Args:
+            safe_merge: compute on a copy and refuse (``ValueError``) if the result has NaN or inf.
+            adapter_names: adapters to merge; all active adapters by default.
+        """
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        base = self.get_base_layer()
+        for name in adapter_names:
+            if name not in self.lisa_A:
+                continue
+            delta = self.get_delta_weight(name).to(base.weight.dtype)
+            if safe_merge:
+                merged = base.weight.data + delta
+                if not torch.isfinite(merged).all():
+                    raise ValueError(
+                        f"NaNs or infs detected while merging LISA adapter {name!r}; the adapter seems broken. The base "
+                        "weights were left unchanged."
+                    )
+                base.weight.data = merged
+            else:
+                base.weight.data += delta
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Subtract every merged delta again, restoring the base weight (up to floating-point rounding)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        base = self.get_base_layer()
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.lisa_A:
+                base.weight.data -= self.get_delta_weight(name).to(base.weight.dtype)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lisa_A:
+                continue
+            lisa_A = self.lisa_A[name]
+            h = self.lisa_dropout[name](self._cast_input_dtype(x, lisa_A.weight.dtype))
+            if name in self.lisa_mask:
+                # sparse path: materialise M ⊙ (B A); its gradient is dL/dW of the effective weight, i.e. the
+                # importance score of seed 000, for masked-out entries too
+                delta = self._delta_out_in(name)
+                if self.lisa_track_importance and delta.requires_grad:
+                    delta.register_hook(lambda g, name=name: self._accumulate_importance(name, g))
+                result = result + F.linear(h, delta.to(h.dtype))
+            else:
+                # dense path: exactly LoRA, two thin matmuls
+                result = result + self.lisa_B[name](lisa_A(h)) * self.scaling[name]
+        return result.to(result_dtype)
+
+    def __repr__(self) -> str:
+        return "lisa." + super().__repr__()

@@ -1,0 +1,217 @@
+"""``LisaModel``: injects LISA layers into a model and owns the per-block layer-interpolation scalars."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from torch import nn
+
+from .blocks import find_blocks
+from .config import LisaConfig
+from .layer import LisaLayer, Linear
+
+# The source documents adapt the attention projections (seed 000: q/k/v); architectures not listed fall back to
+# PEFT's LoRA defaults.
+TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
+    **TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
+    **{
+        arch: ["q_proj", "k_proj", "v_proj"]
+        for arch in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "opt")
+    },
+    "gpt2": ["c_attn"],
+    "gpt_neox": ["query_key_value"],
+    "bert": ["query", "key", "value"],
+    "roberta": ["query", "key", "value"],
+    "t5": ["q", "k", "v"],
+}
+
+
+def _conv1d_type():
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+class LisaModel(BaseTuner):
+    """
+    Creates a LISA model from a pretrained transformers model. Use it through ``peft.get_peft_model``.
+
+    Example:
+        ```py
+        >>> import hf_lisa  # registers LISA with PEFT
+        >>> from peft import get_peft_model
+        >>> from transformers import AutoModelForCausalLM
+        >>> base = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")  # doctest: +SKIP
+        >>> model = get_peft_model(base, hf_lisa.LisaConfig(r=8, sparsity=0.4))  # doctest: +SKIP
+        >>> model.print_trainable_parameters()  # doctest: +SKIP
+        ```
+
+    **Attributes**:
+        - **lisa_interp_delta**, **lisa_interp_beta** (`nn.ParameterDict`): per-adapter vectors of δ_l and β_l, one
+          entry per transformer block, for adapters with ``layer_interpolation=True``.
+    """
+
+    prefix: str = "lisa_"
+    tuner_layer_cls = LisaLayer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING
+
+    def _pre_injection_hook(self, model: nn.Module, config: LisaConfig, adapter_name: str) -> None:
+        # BaseTuner.__init__ resets nn.Module state first, so the containers are created here, once
+        if "lisa_interp_delta" not in self._modules:
+            self.lisa_interp_delta = nn.ParameterDict({})
+            self.lisa_interp_beta = nn.ParameterDict({})
+            self._interp_hooks: list = []
+            self._interp_enabled = True
+
+    # -- injection -------------------------------------------------------------------------------------------------------
+    def _create_and_replace(self, lisa_config, adapter_name, target, target_name, parent, current_key, **kwargs):
+        if current_key is None:
+            raise ValueError("current_key must not be None")
+        params = lisa_config.resolve(current_key)
+        if isinstance(target, LisaLayer):
+            target.update_layer(adapter_name, config=lisa_config, module_key=current_key, **params)
+            return
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        if isinstance(base, nn.Linear):
+            fan_in_fan_out = False
+        elif isinstance(base, _conv1d_type()):
+            fan_in_fan_out = True
+        else:
+            raise TypeError(
+                f"LISA cannot adapt module {current_key!r} of type {type(base).__name__}; supported: torch.nn.Linear and "
+                "transformers.pytorch_utils.Conv1D. Adjust LisaConfig.target_modules."
+            )
+        new_module = Linear(
+            target, adapter_name, lisa_config, fan_in_fan_out=fan_in_fan_out, module_key=current_key, **params
+        )
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        # PeftModel.add_adapter calls inject_adapter without the injection hooks, so interpolation is set up here
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        self._add_interpolation(model, self.peft_config[adapter_name], adapter_name)
+
+    def _add_interpolation(self, model: nn.Module, config: LisaConfig, adapter_name: str) -> None:
+        if "lisa_interp_delta" not in self._modules:
+            self._pre_injection_hook(model, config, adapter_name)
+        if not config.layer_interpolation:
+            return
+        n_blocks = len(self._blocks(config))
+        weight = next(model.parameters())
+        # δ = 0 and β = 0: α = exp(0) = 1, so the adapted model starts as the base model
+        self.lisa_interp_delta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, device=weight.device))
+        self.lisa_interp_beta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, device=weight.device))
+        if not self._interp_hooks:
+            for index, (_, block) in enumerate(self._blocks(config)):
+                self._interp_hooks.append(block.register_forward_hook(self._make_interp_hook(index)))
+        if adapter_name not in self.active_adapters or config.inference_mode:
+            self.lisa_interp_delta[adapter_name].requires_grad_(False)
+            self.lisa_interp_beta[adapter_name].requires_grad_(False)
+
+    def _blocks(self, config: LisaConfig) -> list[tuple[str, nn.Module]]:
+        return find_blocks(self.model, config.lisa_layers_attribute)
+
+    # -- layer interpolation -----------------------------------------------------------------------------------------
+    def interpolation_alpha(self, adapter_name: str) -> torch.Tensor:
+        """α_l = exp(clamp(δ_l, -bound, bound)) for every block."""
+        bound = self.peft_config[adapter_name].interpolation_delta_bound
+        return torch.exp(self.lisa_interp_delta[adapter_name].clamp(-bound, bound))
+
+    def _make_interp_hook(self, index: int):
+        def hook(module, args, output):
+            if not self._interp_enabled:
+                return output
+            hidden = output[0] if isinstance(output, tuple) else output
+            for name in self.active_adapters:
+                if name in self.lisa_interp_delta:
+                    alpha = self.interpolation_alpha(name)[index]
+                    beta = self.lisa_interp_beta[name][index]
+                    hidden = alpha.to(hidden.dtype) * hidden + beta.to(hidden.dtype)
+            return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+        return hook
+
+    def interpolation_penalty(self) -> torch.Tensor:
+        """λ·Σ_l β_l² summed over the active adapters that use layer interpolation (seed 001)."""
+        total = None
+        for name in self.active_adapters:
+            if name in self.lisa_interp_beta:
+                term = self.peft_config[name].interpolation_beta_l2 * self.lisa_interp_beta[name].pow(2).sum()
+                total = term if total is None else total + term
+        if total is None:
+            return torch.zeros((), device=next(self.model.parameters()).device)
+        return total
+
+    def forward(self, *args, **kwargs):
+        outputs = self.model(*args, **kwargs)
+        # the β penalty joins the loss whenever the model computes one in training, so a plain Trainer optimises it
+        if (
+            self.training
+            and self._interp_enabled
+            and len(self.lisa_interp_beta)
+            and getattr(outputs, "loss", None) is not None
+        ):
+            outputs.loss = outputs.loss + self.interpolation_penalty().to(outputs.loss.dtype)
+        return outputs
+
+    # -- adapter management ----------------------------------------------------------------------------------------------
+    def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        super()._enable_adapter_layers(enabled)
+        self._interp_enabled = enabled
+
+    def set_adapter(self, adapter_name, inference_mode: bool = False) -> None:
+        super().set_adapter(adapter_name, inference_mode=inference_mode)
+        if "lisa_interp_delta" not in self._modules:  # called during the first injection
+            return
+        active = {adapter_name} if isinstance(adapter_name, str) else set(adapter_name)
+        for params in (self.lisa_interp_delta, self.lisa_interp_beta):
+            for name, param in params.items():
+                param.requires_grad_(name in active and not inference_mode)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        for params in (self.lisa_interp_delta, self.lisa_interp_beta):
+            if adapter_name in params:
+                del params[adapter_name]
+        if not len(self.lisa_interp_delta):
+            self._remove_interp_hooks()
+
+    def _remove_interp_hooks(self) -> None:
+        for handle in self._interp_hooks:
+            handle.remove()
+        self._interp_hooks = []
+
+    def _check_merge_allowed(self) -> None:
+        super()._check_merge_allowed()
+        with_interp = [name for name in self.lisa_interp_delta if name in self.active_adapters]
+        if with_interp:
+            raise ValueError(
+                f"Cannot merge LISA adapter(s) {with_interp}: layer_interpolation scales and shifts whole block outputs "
+                "(h = α·f(h) + β), which no weight of the base model can express. Keep the model unmerged (the adapter "
+                "loads with PeftModel.from_pretrained), or train with layer_interpolation=False to get mergeable weights."
+            )
+
+    def merge_adapter(self, adapter_names: Optional[list[str]] = None, safe_merge: bool = False) -> None:
+        names = adapter_names or self.active_adapters
+        if any(name in self.lisa_interp_delta for name in names):
+            self._check_merge_allowed()
+        super().merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge)
+
+    def _unload_and_optionally_merge(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+        if merge:
+            self._check_merge_allowed()
+        model = super()._unload_and_optionally_merge(
+            merge=merge, progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names
+        )
+        self._remove_interp_hooks()
+        return model
+
+    # -- introspection -------------------------------------------------------------------------------------------------
+    def lisa_layers(self) -> list[tuple[str, LisaLayer]]:
+        """``(name, layer)`` for every injected LISA layer."""
+        return [(n, m) for n, m in self.model.named_modules() if isinstance(m, LisaLayer)]
