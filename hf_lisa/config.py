@@ -26,7 +26,9 @@ def _pair(value, field_name: str) -> tuple[int, int]:
     except (TypeError, ValueError):
         pair = ()
     if len(pair) != 2 or min(pair) < 1:
-        raise ValueError(f"{field_name}={value!r} is invalid; expected two positive integers, e.g. (2, 2) or '2x2'.")
+        raise ValueError(
+            f"LisaConfig.{field_name}={value!r} is invalid; allowed: two positive integers, e.g. (2, 2) or '2x2'."
+        )
     return pair
 
 

@@ -224,8 +224,9 @@ class Linear(nn.Module, LisaLayer):
                 merged = base.weight.data + delta
                 if not torch.isfinite(merged).all():
                     raise ValueError(
-                        f"NaNs or infs detected while merging LISA adapter {name!r}; the adapter seems broken. The base "
-                        "weights were left unchanged."
+                        # PEFT's wording, so code matching PEFT's message keeps working
+                        f"NaNs detected in the merged weights. The adapter {name} seems to be broken (LISA safe_merge "
+                        "found NaN or inf; the base weights were left unchanged)."
                     )
                 base.weight.data = merged
             else:

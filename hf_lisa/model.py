@@ -109,6 +109,7 @@ class LisaModel(BaseTuner):
         if not self._interp_hooks:
             for index, (_, block) in enumerate(self._blocks(config)):
                 self._interp_hooks.append(block.register_forward_hook(self._make_interp_hook(index)))
+            self._interp_hooks.append(model.register_forward_hook(self._add_penalty_to_loss))
         if adapter_name not in self.active_adapters or config.inference_mode:
             self.lisa_interp_delta[adapter_name].requires_grad_(False)
             self.lisa_interp_beta[adapter_name].requires_grad_(False)
@@ -147,13 +148,13 @@ class LisaModel(BaseTuner):
             return torch.zeros((), device=next(self.model.parameters()).device)
         return total
 
-    def forward(self, *args, **kwargs):
-        outputs = self.model(*args, **kwargs)
-        # the β penalty joins the loss whenever the model computes one in training, so a plain Trainer optimises it
+    def _add_penalty_to_loss(self, module, args, outputs):
+        # A hook on the wrapped model rather than a LisaModel.forward override: plain PeftModel calls the base model
+        # directly, bypassing the tuner. The β penalty thus joins every training loss, so a plain Trainer optimises it.
         if (
-            self.training
+            module.training
             and self._interp_enabled
-            and len(self.lisa_interp_beta)
+            and any(name in self.lisa_interp_beta for name in self.active_adapters)
             and getattr(outputs, "loss", None) is not None
         ):
             outputs.loss = outputs.loss + self.interpolation_penalty().to(outputs.loss.dtype)
