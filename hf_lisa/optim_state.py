@@ -1,0 +1,91 @@
+"""Optimizer-state bookkeeping for layerwise training: find the real optimizer, measure and drop per-parameter state.
+
+LISA trains a few blocks at a time. Optimizers keep their per-parameter state (Adam's two moments, Adafactor's
+factored second moment, SGD's momentum buffer) in ``optimizer.state[param]`` even after ``param`` stops receiving
+gradients, so without help a LISA run ends up holding the state of every block it ever trained: the memory of full
+fine-tuning (LMFlow #768, ms-swift #4522). These helpers are what the scheduler uses to keep that in check.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+OPTIMIZER_STATE_POLICIES = ("drop", "keep")
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """Return the ``torch.optim.Optimizer`` that holds the state, looking through wrappers.
+
+    accelerate's ``AcceleratedOptimizer`` (what ``Trainer.optimizer`` is after ``accelerator.prepare``) and similar
+    wrappers keep the real optimizer in ``.optimizer``; its ``state`` is the one that matters.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> unwrap_optimizer(opt) is opt
+        True
+    """
+    seen = set()
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        if id(optimizer) in seen:  # a wrapper pointing at itself; stop rather than loop forever
+            break
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    if not hasattr(optimizer, "state") or not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"Expected a torch.optim.Optimizer (or a wrapper exposing it as `.optimizer`), got {type(optimizer).__name__}."
+        )
+    return optimizer
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes held by the tensors of the optimizer's per-parameter state (moments, step counters, buffers).
+
+    For ``torch.optim.AdamW`` this is ``Σ (2 · numel · element_size + 4)`` over the parameters with state: two moments
+    and a float32 ``step`` tensor each.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(10))
+        >>> opt = torch.optim.AdamW([p]); p.grad = torch.ones(10); opt.step()
+        >>> optimizer_state_bytes(opt)
+        84
+    """
+    return sum(_tensor_bytes(state) for state in unwrap_optimizer(optimizer).state.values())
+
+
+def params_with_state(optimizer: Any) -> list[torch.Tensor]:
+    """Parameters that currently hold optimizer state."""
+    return [p for p, s in unwrap_optimizer(optimizer).state.items() if s]
+
+
+def drop_optimizer_state(optimizer: Any, params: Iterable[torch.Tensor]) -> int:
+    """Remove the optimizer state of ``params``; returns the number of bytes freed.
+
+    A parameter re-activated later starts a fresh sequence (Adam ``step`` 1, zero moments), as in the paper's runs,
+    which restarted the optimizer every sampling period.
+    """
+    opt = unwrap_optimizer(optimizer)
+    freed = 0
+    for p in params:
+        state = opt.state.pop(p, None)
+        if state:
+            freed += _tensor_bytes(state)
+    return freed
+
+
+def optimizer_params(optimizer: Any) -> set[int]:
+    """``id`` of every parameter the optimizer updates."""
+    return {id(p) for group in unwrap_optimizer(optimizer).param_groups for p in group["params"]}

@@ -1,0 +1,184 @@
+"""``LayerSampler``: which γ of the N transformer blocks train during the next period of K optimizer steps.
+
+The sampler owns a private, seeded ``torch.Generator``. Every rank of a distributed run builds the same sampler with
+the same seed and therefore draws the same blocks without communicating (the global NumPy/torch RNGs differ per rank
+and are consumed by dropout and data shuffling, so they must never be used here). Its whole state, generator
+included, is exportable as plain Python data plus tensors (see :mod:`hf_lisa.json_state`).
+
+Strategies:
+
+* ``"uniform"``: γ distinct blocks uniformly at random, the published LISA (Pan et al., 2024).
+* ``"cyclic"``: the blocks are visited in random permutations, γ at a time, so that every block trains once per cycle
+  (BAdam's order, randomised). When γ does not divide N, a block drawn twice within one draw is postponed to the next.
+* ``"importance"``: probability proportional to a running **gradient norm** per block (exponential moving average of
+  ``‖∂L/∂θ_block‖``, fed by :meth:`LayerSampler.observe` while the block trains), mixed with a uniform floor.
+
+  Why the gradient norm and not the paper's weight-norm ratio: the weight norms of a pretrained model are nearly
+  equal across blocks and move little during fine-tuning, so they give almost uniform probabilities; the gradient
+  norm measures how much loss a block can remove *now* (first-order decrease per step is ∝ ‖g‖²), and it is free
+  because the active blocks' gradients exist at every optimizer step anyway. Only trained blocks can be measured, so
+  blocks never measured are scored optimistically (at the largest observed score, so each block is tried early) and
+  the uniform floor ``importance_floor / N`` keeps every block reachable however stale its score.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .config import LAYER_SAMPLING_STRATEGIES
+
+__all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class LayerSampler:
+    """Draw the active blocks of each LISA period from a private, seeded generator.
+
+    Args:
+        num_layers: N, the number of blocks to choose from.
+        num_active: γ, the number of blocks active at a time (``lisa_activated_layers``), ``1 <= γ <= N``.
+        strategy: ``"uniform"``, ``"importance"`` or ``"cyclic"`` (see the module docstring).
+        seed: seed of the private generator; the same seed gives the same sequence in every process.
+        importance_decay: decay of the running gradient-norm average of the ``"importance"`` strategy.
+        importance_floor: share of the probability mass spread uniformly over all blocks (``"importance"`` only).
+
+    Example:
+        >>> sampler = LayerSampler(num_layers=8, num_active=2, strategy="cyclic", seed=0)
+        >>> blocks = [b for _ in range(4) for b in sampler.sample()]
+        >>> sorted(blocks)  # one cycle: every block exactly once
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_active: int,
+        strategy: str = "uniform",
+        seed: int = 0,
+        importance_decay: float = 0.9,
+        importance_floor: float = 0.1,
+    ) -> None:
+        if not _is_int(num_layers) or num_layers < 1:
+            raise ValueError(f"num_layers={num_layers!r} is invalid; the model must have at least one block.")
+        if not _is_int(num_active) or not 1 <= num_active <= num_layers:
+            raise ValueError(
+                f"num_active (lisa_activated_layers, γ)={num_active!r} is invalid; allowed: an integer in "
+                f"[1, {num_layers}] (the model has {num_layers} blocks)."
+            )
+        if strategy not in LAYER_SAMPLING_STRATEGIES:
+            raise ValueError(f"strategy (lisa_sampling)={strategy!r} is invalid; allowed: {LAYER_SAMPLING_STRATEGIES}.")
+        if not _is_int(seed):
+            raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
+        if not 0.0 <= importance_decay < 1.0:
+            raise ValueError(f"importance_decay={importance_decay!r} is invalid; allowed: a float in [0, 1).")
+        if not 0.0 < importance_floor <= 1.0:
+            raise ValueError(f"importance_floor={importance_floor!r} is invalid; allowed: a float in (0, 1].")
+        self.num_layers = num_layers
+        self.num_active = num_active
+        self.strategy = strategy
+        self.seed = seed
+        self.importance_decay = importance_decay
+        self.importance_floor = importance_floor
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.current: list[int] = []
+        self.num_draws = 0
+        self._queue: list[int] = []  # cyclic: the rest of the current permutation(s)
+        self.scores: list[Optional[float]] = [None] * num_layers  # importance: running gradient norm per block
+
+    # -- drawing -------------------------------------------------------------------------------------------------------
+    def sample(self) -> list[int]:
+        """Draw the blocks of the next period; returns sorted block indices and stores them in ``current``."""
+        if self.strategy == "uniform":
+            chosen = torch.randperm(self.num_layers, generator=self.generator)[: self.num_active].tolist()
+        elif self.strategy == "cyclic":
+            chosen = self._sample_cyclic()
+        else:
+            chosen = torch.multinomial(
+                self.probabilities(), self.num_active, replacement=False, generator=self.generator
+            ).tolist()
+        self.current = sorted(int(b) for b in chosen)
+        self.num_draws += 1
+        return list(self.current)
+
+    def _sample_cyclic(self) -> list[int]:
+        chosen: list[int] = []
+        while len(chosen) < self.num_active:
+            pick = next((i for i, b in enumerate(self._queue) if b not in chosen), None)
+            if pick is None:  # queue empty, or it only holds blocks already in this draw: start the next cycle
+                self._queue.extend(torch.randperm(self.num_layers, generator=self.generator).tolist())
+                continue
+            chosen.append(self._queue.pop(pick))
+        return chosen
+
+    def probabilities(self) -> torch.Tensor:
+        """Per-block sampling probabilities of one draw (float64). Uniform for ``"uniform"``/``"cyclic"``."""
+        n = self.num_layers
+        known = [s for s in self.scores if s is not None]
+        if self.strategy != "importance" or not known or max(known) <= 0:
+            return torch.full((n,), 1.0 / n, dtype=torch.float64)
+        optimistic = max(known)
+        scores = torch.tensor([optimistic if s is None else s for s in self.scores], dtype=torch.float64)
+        return (1.0 - self.importance_floor) * scores / scores.sum() + self.importance_floor / n
+
+    def observe(self, grad_norms: Mapping[int, float]) -> None:
+        """Feed the gradient norm of trained blocks (``{block_index: norm}``) into the running average.
+
+        Called once per optimizer step for the active blocks by the scheduler when ``strategy == "importance"``;
+        ignored otherwise. Non-finite values (an overflowing fp16 step) are skipped.
+        """
+        if self.strategy != "importance":
+            return
+        for index, value in grad_norms.items():
+            if not 0 <= int(index) < self.num_layers:
+                raise IndexError(f"block index {index} out of range [0, {self.num_layers})")
+            value = float(value)
+            if not math.isfinite(value):
+                continue
+            old = self.scores[int(index)]
+            self.scores[int(index)] = value if old is None else self.importance_decay * old + (1 - self.importance_decay) * value
+
+    # -- state ---------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the exact same sequence: settings, generator state, counters, scores."""
+        return {
+            "num_layers": self.num_layers,
+            "num_active": self.num_active,
+            "strategy": self.strategy,
+            "seed": self.seed,
+            "importance_decay": self.importance_decay,
+            "importance_floor": self.importance_floor,
+            "generator": self.generator.get_state(),
+            "current": list(self.current),
+            "num_draws": self.num_draws,
+            "queue": list(self._queue),
+            "scores": list(self.scores),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output. The block count, γ and strategy must match this sampler's."""
+        for key in ("num_layers", "num_active", "strategy"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"Cannot restore the layer sampler: the checkpoint has {key}={state[key]!r} but this run has "
+                    f"{key}={getattr(self, key)!r}. Resume with the settings of the checkpointed run, or start a new run."
+                )
+        self.seed = state["seed"]
+        self.importance_decay = state["importance_decay"]
+        self.importance_floor = state["importance_floor"]
+        self.generator.set_state(torch.as_tensor(state["generator"], dtype=torch.uint8))
+        self.current = [int(b) for b in state["current"]]
+        self.num_draws = int(state["num_draws"])
+        self._queue = [int(b) for b in state["queue"]]
+        self.scores = [None if s is None else float(s) for s in state["scores"]]
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerSampler(num_layers={self.num_layers}, num_active={self.num_active}, strategy={self.strategy!r}, "
+            f"seed={self.seed}, current={self.current})"
+        )

@@ -1,0 +1,61 @@
+"""Shared fixtures. Kept small: tiny llama models built from config and a token dataset, for Trainer-level tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed random token sequences for causal-LM training (labels = inputs)."""
+
+    def __init__(self, num_examples: int = 64, seq_len: int = 8, vocab: int = 64, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.input_ids = torch.randint(0, vocab, (num_examples, seq_len), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.input_ids[i], "labels": self.input_ids[i]}
+
+
+def build_tiny_llama(num_layers: int = 4, hidden: int = 32, vocab: int = 64, seed: int = 0, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config)
+
+
+def build_training_args(output_dir, **overrides):
+    """CPU TrainingArguments for fast, deterministic Trainer tests (no logging integrations, no tqdm)."""
+    from transformers import TrainingArguments
+
+    kwargs = dict(
+        max_steps=8, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return TrainingArguments(str(output_dir), **kwargs)
+
+
+@pytest.fixture
+def tiny_llama():
+    """Factory: ``tiny_llama(num_layers=4, hidden=32, vocab=64, seed=0, tie=False)``."""
+    return build_tiny_llama
+
+
+@pytest.fixture
+def token_dataset():
+    """Factory: ``token_dataset(num_examples=64, seq_len=8, vocab=64, seed=0)``."""
+    return TokenDataset
+
+
+@pytest.fixture
+def training_args(tmp_path):
+    """Factory: ``training_args(**overrides)`` writing under the test's ``tmp_path``."""
+    return lambda **overrides: build_training_args(tmp_path / "out", **overrides)
