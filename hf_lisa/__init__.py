@@ -20,4 +20,19 @@ from .model import LisaModel  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["LisaConfig", "LisaModel", "LisaLayer", "Linear", "PEFT_TYPE_LISA", "find_blocks", "__version__"]
+# Hub helpers load lazily: huggingface_hub's upload machinery and the card templates are not needed to train
+_LAZY = {"push_to_hub": "hub", "from_pretrained": "loading"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "LisaConfig", "LisaModel", "LisaLayer", "Linear", "PEFT_TYPE_LISA", "find_blocks", "push_to_hub",
+    "from_pretrained", "__version__",
+]

@@ -1,0 +1,611 @@
+"""Hub integration: push adapters and merged models to a real local Hub server and load them back in fresh processes.
+
+How the environment is handled (huggingface_hub reads ``HF_ENDPOINT`` and ``HF_HUB_DISABLE_XET`` once, at import):
+
+- The server (``tests/hub_server.py``) runs in a thread of this process on 127.0.0.1.
+- Pushes run in this process and pass ``endpoint=server.url`` to ``push_to_hub`` (``HfApi`` takes it explicitly),
+  so they work whichever test module imported huggingface_hub first. hf_xet is installed, and the Xet upload path
+  needs a CAS server, so the module sets ``huggingface_hub.constants.HF_HUB_DISABLE_XET`` (what the variable sets at
+  import) for its duration; it also makes sure offline mode is off.
+- Everything that reads the endpoint from the environment (PEFT, transformers, ``ModelCard.load``, the CLI) runs in
+  fresh subprocesses started with ``HF_ENDPOINT``, ``HF_HUB_DISABLE_XET=1``, a ``HF_TOKEN`` and a temporary
+  ``HF_HOME``: that is also what "loads in a fresh process" means. One consumer process does all loads to pay the
+  import cost once; each test asserts on its own part of that process's report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hub_server import HubServer, validate_card_metadata  # noqa: E402
+
+import hf_lisa  # noqa: E402
+from hf_lisa.errors import MISSING_IMPORT_HINT  # noqa: E402
+from hf_lisa.hub import PICKLE_SUFFIXES, HubPushError, hub_cli, push_to_hub, render_model_card  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WRITE_TOKEN = "hf_lisaTestAliceWrite0123456789abcdef"
+OTHER_TOKEN = "hf_lisaTestBobWrite0123456789abcdef"  # a valid user without rights on alice's repos
+WRONG_TOKEN = "hf_lisaTestWrongToken0123456789abcdef"
+BASE_REPO = "lisa-org/tiny-llama"
+INPUT_IDS = [[4, 9, 17, 33, 2, 71, 8, 100, 5, 12], [60, 3, 3, 91, 44, 7, 120, 15, 6, 30]]
+TARGETS = ["q_proj", "k_proj", "v_proj", "up_proj", "down_proj"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tiny models, tokenizer and training output
+# ----------------------------------------------------------------------------------------------------------------------
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["[UNK]", "[PAD]", "<s>", "</s>"] + [f"w{i}" for i in range(124)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def randomize(model, seed: int) -> None:
+    """Non-zero adapter factors and interpolation scalars, so that a lost tensor changes the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lisa_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(INPUT_IDS)).logits
+
+
+def png_bytes() -> bytes:
+    """A valid 1×1 PNG, written by hand (no plotting library needed)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
+
+
+def sparse_mixed_config(**kwargs):
+    # seed 000's mixed strategy: sparse LISA on q/k/v, dense (LoRA-equivalent) on the FFN, rank 4 on down_proj
+    return hf_lisa.LisaConfig(
+        target_modules=TARGETS, sparsity=0.5, sparsity_pattern={"up_proj": 0.0, "down_proj": 0.0},
+        rank_pattern={"down_proj": 4}, mask_init="random", task_type="CAUSAL_LM", lisa_activated_layers=1,
+        lisa_interval_steps=5, **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def hub():
+    import huggingface_hub.constants as hf_constants
+
+    server = HubServer()
+    server.add_token(WRITE_TOKEN, user="alice", orgs=("lisa-org",), write=True)
+    server.add_token(OTHER_TOKEN, user="bob", write=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+        yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def api(hub):
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hub")
+
+
+@pytest.fixture(scope="module")
+def base_dir(work, api):
+    """The base model, saved locally (what training used) and published as BASE_REPO with an apache-2.0 card."""
+    path = work / "base"
+    tiny_llama().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    (path / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# tiny llama\n")
+    api.create_repo(BASE_REPO)
+    api.upload_folder(repo_id=BASE_REPO, folder_path=str(path), commit_message="base")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(base_dir, work):
+    """A trained LISA adapter model and its training output directory, with the junk a Trainer leaves there."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)  # records the local path as base_model_name_or_path
+    model = get_peft_model(base, sparse_mixed_config()).eval()
+    randomize(model, seed=1)
+    out = work / "output"
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    (out / "loss.png").write_bytes(png_bytes())
+    torch.save({"learning_rate": 1e-3}, out / "training_args.bin")  # what Trainer.push_to_hub would upload
+    (out / "checkpoint-10").mkdir()
+    torch.save({"step": 10}, out / "checkpoint-10" / "optimizer.pt")
+    (out / "training_summary.json").write_text(json.dumps({
+        "base_model": BASE_REPO, "method": "lisa-adapter",
+        "lisa": {"activated_layers": 2, "interval_steps": 5, "sampling": "cyclic"},
+        "hyperparameters": {"learning_rate": 0.0005, "num_train_epochs": 1, "per_device_train_batch_size": 4},
+        "metrics": {"eval_loss": 1.2345, "exact_match": 0.375}, "datasets": ["openai/gsm8k"],
+        "dataset_name": "openai/gsm8k", "loss_plot": "loss.png", "license": None,
+    }))
+    return {"model": model, "dir": out, "logits": logits_of(model), "base_logits": logits_of(base_model_only(base_dir))}
+
+
+def base_model_only(base_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_dir).eval()
+
+
+def subprocess_env(hub, tmp: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE"))}
+    env.update(
+        HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_TOKEN=WRITE_TOKEN, HF_HOME=str(tmp / "hf_home"),
+        HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1", **extra,
+    )
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the pushes (in this process, except the CLI one)
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pushed(hub, api, trained, base_dir, work):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    results = {}
+    # 1. the training output directory, adapter mode
+    results["adapter"] = push_to_hub(trained["dir"], "alice/lisa-adapter", mode="adapter", token=WRITE_TOKEN,
+                                     endpoint=hub.url)
+    # 2. a different adapter, as a model object, to a new branch of the same repo
+    model_v2 = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), sparse_mixed_config()).eval()
+    randomize(model_v2, seed=2)
+    results["adapter_v2"] = push_to_hub(model_v2, "alice/lisa-adapter", revision="experiment", token=WRITE_TOKEN,
+                                        base_model=BASE_REPO, endpoint=hub.url)
+    results["logits_v2"] = logits_of(model_v2)
+    # 3. private
+    results["private"] = push_to_hub(trained["model"], "alice/lisa-private", private=True, token=WRITE_TOKEN,
+                                     base_model=BASE_REPO, endpoint=hub.url)
+    # 4. layer interpolation: adapter mode carries δ and β
+    interp = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir),
+        hf_lisa.LisaConfig(target_modules=["q_proj", "v_proj"], layer_interpolation=True, task_type="CAUSAL_LM"),
+    ).eval()
+    randomize(interp, seed=3)
+    results["interp_model"] = interp
+    results["interp"] = push_to_hub(interp, "alice/lisa-interp", token=WRITE_TOKEN, base_model=BASE_REPO,
+                                    endpoint=hub.url)
+    results["logits_interp"] = logits_of(interp)
+    # 5. full-parameter LISA output: a plain transformers model, pushed as merged by default
+    full = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    with torch.no_grad():
+        full.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    results["full_model"] = full
+    results["full"] = push_to_hub(full, "alice/full-lisa", token=WRITE_TOKEN, base_model=BASE_REPO,
+                                  tokenizer=tiny_tokenizer(), endpoint=hub.url,
+                                  training_summary={"method": "lisa", "lisa": {"activated_layers": 1}})
+    results["logits_full"] = logits_of(full)
+    # 6. a pickle-only adapter, uploaded by hand (hf-lisa never writes one), for the loading refusal
+    pickled = work / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((trained["dir"] / "adapter_config.json").read_text().replace(
+        str(base_dir), BASE_REPO))
+    from safetensors.torch import load_file
+
+    torch.save(load_file(trained["dir"] / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    api.create_repo("alice/pickled-adapter")
+    api.upload_folder(repo_id="alice/pickled-adapter", folder_path=str(pickled), commit_message="pickle")
+    return results
+
+
+@pytest.fixture(scope="module")
+def cli_push(hub, trained, pushed, work):
+    """`hf-lisa push OUTPUT_DIR REPO --mode merged --token T` in a fresh process, with debug logging everywhere."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.DEBUG); from hf_lisa.hub import hub_cli; "
+            "sys.exit(hub_cli(sys.argv[1:]))")
+    argv = ["push", str(trained["dir"]), "alice/lisa-merged", "--mode", "merged", "--token", WRITE_TOKEN,
+            "--max_shard_size", "20KB"]
+    # HF_TOKEN is unset: the token only travels through --token
+    env = subprocess_env(hub, work, HF_DEBUG="1", HF_HUB_VERBOSITY="debug")
+    env.pop("HF_TOKEN")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    return proc
+
+
+CONSUMER = textwrap.dedent('''
+    import json, os, sys, traceback
+    import torch
+    spec = json.load(open(sys.argv[1]))
+    ids = torch.tensor(spec["input_ids"])
+    out = {}
+
+    def record(name, fn):
+        try:
+            out[name] = {"ok": fn()}
+        except Exception as exc:
+            status, cause = None, exc
+            while cause is not None and status is None:  # hf_hub_download wraps HTTP errors
+                status = getattr(getattr(cause, "response", None), "status_code", None)
+                cause = cause.__cause__ or cause.__context__
+            out[name] = {"error": type(exc).__name__, "message": str(exc), "status": status,
+                         "traceback": traceback.format_exc()[-2000:]}
+
+    def logits(model):
+        with torch.no_grad():
+            return model(ids).logits.tolist()
+
+    # 1. PEFT without `import hf_lisa`: the bare KeyError users hit today
+    from peft import PeftConfig
+    missing = {}
+    for label, source in (("local", spec["adapter_dir"]), ("hub", "alice/lisa-adapter")):
+        try:
+            PeftConfig.from_pretrained(source)
+            missing[label] = "loaded"
+        except KeyError as exc:
+            missing[label] = ["KeyError"] + [str(a) for a in exc.args]
+            key_error = exc
+    out["without_import"] = {"ok": missing, "hf_lisa_imported": "hf_lisa" in sys.modules}
+
+    import hf_lisa
+    from hf_lisa.loading import explain_missing_import
+    out["hint"] = {"ok": str(explain_missing_import(key_error))}
+
+    from huggingface_hub import ModelCard, hf_hub_download, model_info
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    record("peft_adapter", lambda: logits(PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(spec["base_repo"]), "alice/lisa-adapter")))
+    record("lisa_adapter", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter")))
+    record("lisa_adapter_branch", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter", revision="experiment")))
+    record("lisa_adapter_oid", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter",
+                                                                      revision=spec["adapter_oid"])))
+    record("merged_auto", lambda: logits(AutoModelForCausalLM.from_pretrained("alice/lisa-merged")))
+    record("merged_lisa", lambda: logits(hf_lisa.from_pretrained("alice/lisa-merged")))
+    record("merged_tokens", lambda: AutoTokenizer.from_pretrained("alice/lisa-merged")("w1 w2 w77")["input_ids"])
+    record("interp", lambda: logits(hf_lisa.from_pretrained("alice/lisa-interp")))
+    record("full", lambda: logits(AutoModelForCausalLM.from_pretrained("alice/full-lisa")))
+    record("pickle_refused", lambda: logits(hf_lisa.from_pretrained("alice/pickled-adapter")))
+    record("pickle_allowed", lambda: logits(hf_lisa.from_pretrained("alice/pickled-adapter", allow_pickle=True)))
+    for label, token in (("anonymous", False), ("other_user", spec["other_token"]), ("owner", None)):
+        record(f"private_{label}", lambda: bool(hf_hub_download("alice/lisa-private", "adapter_config.json",
+                                                               token=token, force_download=True)))
+    record("private_info_anonymous", lambda: model_info("alice/lisa-private", token=False).id)
+    record("private_owner_load", lambda: logits(hf_lisa.from_pretrained("alice/lisa-private")))
+
+    def card(repo):
+        loaded = ModelCard.load(repo)
+        loaded.validate()  # POST /api/validate-yaml through constants.ENDPOINT, as ModelCard.push_to_hub does
+        return loaded.data.to_dict()
+
+    record("card_adapter", lambda: card("alice/lisa-adapter"))
+    record("card_merged", lambda: card("alice/lisa-merged"))
+    json.dump(out, open(sys.argv[2], "w"))
+''')
+
+
+@pytest.fixture(scope="module")
+def consumer(hub, pushed, cli_push, trained, base_dir, work):
+    assert cli_push.returncode == 0, cli_push.stderr[-3000:]
+    script, spec_path, out_path = work / "consumer.py", work / "spec.json", work / "consumer_out.json"
+    script.write_text(CONSUMER)
+    spec_path.write_text(json.dumps({
+        "input_ids": INPUT_IDS, "adapter_dir": str(trained["dir"]), "base_repo": BASE_REPO,
+        "other_token": OTHER_TOKEN, "adapter_oid": pushed["adapter"].oid,
+    }))
+    proc = subprocess.run([sys.executable, str(script), str(spec_path), str(out_path)],
+                          env=subprocess_env(hub, work), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out_path.read_text())
+
+
+def ok(result: dict):
+    assert "ok" in result, f"{result.get('error')}: {result.get('message')}\n{result.get('traceback')}"
+    return result["ok"]
+
+
+def close(a, b, atol=1e-5) -> bool:
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=atol, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# adapter mode
+# ----------------------------------------------------------------------------------------------------------------------
+def test_adapter_push_uploads_only_safetensors_config_card_plot_and_tokenizer(hub, pushed):
+    files = hub.files("alice/lisa-adapter")
+    assert set(files) == {
+        ".gitattributes", "README.md", "adapter_config.json", "adapter_model.safetensors", "loss.png",
+        "tokenizer.json", "tokenizer_config.json",
+    }
+    assert files["loss.png"] == png_bytes()
+    # training recorded a local path; the uploaded config names the Hub base so that anyone can load it
+    assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == BASE_REPO
+    # one commit on top of the repo's initial commit
+    assert len(hub.commits("alice/lisa-adapter")) == 2
+    assert hub.commits("alice/lisa-adapter")[0] == pushed["adapter"].oid
+
+
+def test_no_pickle_file_or_token_ever_reaches_the_server(hub, pushed, cli_push):
+    named = [p for r in hub.state.requests if "pickled-adapter" not in r.path for p in r.paths]
+    assert named, "the server saw no file names at all"
+    assert not [p for p in named if p.lower().endswith(PICKLE_SUFFIXES)]
+    for (repo_type, repo_id), repo in hub.state.repos.items():
+        if repo_id == "alice/pickled-adapter":
+            continue
+        for commit in repo.commits.values():
+            assert not [p for p in commit.files if p.lower().endswith(PICKLE_SUFFIXES)], repo_id
+    assert not [sha for sha, data in hub.state.objects.items() if WRITE_TOKEN.encode() in data]
+
+
+def test_adapter_card_places_the_adapter_under_its_base_model(hub, pushed, consumer):
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(hub.files("alice/lisa-adapter")["README.md"].decode())
+    data = card.data
+    assert data.library_name == "peft"
+    assert data.base_model == BASE_REPO
+    assert data.base_model_relation == "adapter"
+    assert {"lisa", "peft", "lisa-adapter"} <= set(data.tags)
+    assert data.license == "apache-2.0"  # inherited from the base model's card on the Hub
+    assert data.datasets == ["openai/gsm8k"]
+    results = {r.metric_name: r for r in data.eval_results}
+    assert results["eval_loss"].metric_value == pytest.approx(1.2345)
+    assert results["eval_loss"].metric_type == "loss" and results["eval_loss"].dataset_split == "validation"
+    assert results["exact_match"].metric_value == pytest.approx(0.375)
+    body = card.text
+    assert 'import hf_lisa  # registers the LISA method with PEFT\nmodel = hf_lisa.from_pretrained("alice/lisa-adapter")' in body
+    assert "γ = 2 blocks active at a time, switched every K = 5 optimizer steps, cyclic sampling" in body
+    assert "| `k_proj`, `q_proj`, `v_proj` | 8 | 8 | 1 | 0.5 | 2×2 blocks |" in body
+    assert "| `down_proj` | 4 | 8 | 2 | 0 | dense (LoRA-equivalent) |" in body
+    assert "| learning_rate | 0.0005 |" in body and "| exact_match | 0.375 |" in body
+    assert "![Training loss](loss.png)" in body
+    for package in ("hf-lisa", "peft", "transformers", "torch"):
+        assert f"- {package} " in body
+    # the client parsed it and the server's validator accepted it, from a fresh process through HF_ENDPOINT
+    assert ok(consumer["card_adapter"])["base_model_relation"] == "adapter"
+    assert any(r.status == 200 for r in hub.requests_of("validate"))
+
+
+def test_adapter_loads_in_a_fresh_process_with_peft_and_hf_lisa(trained, consumer):
+    assert not close(trained["logits"], trained["base_logits"], atol=1e-3)  # the adapter matters
+    assert close(ok(consumer["peft_adapter"]), trained["logits"], atol=1e-6)
+    assert close(ok(consumer["lisa_adapter"]), trained["logits"], atol=1e-6)
+    assert close(ok(consumer["lisa_adapter_oid"]), trained["logits"], atol=1e-6)
+
+
+def test_from_pretrained_honours_revision(trained, pushed, consumer, hub):
+    assert hub.repo("alice/lisa-adapter").branches.keys() == {"main", "experiment"}
+    branch = ok(consumer["lisa_adapter_branch"])
+    assert close(branch, pushed["logits_v2"], atol=1e-6)
+    assert not close(branch, trained["logits"], atol=1e-3)
+
+
+def test_missing_import_gives_a_clear_instruction(consumer):
+    without = ok(consumer["without_import"])
+    assert consumer["without_import"]["hf_lisa_imported"] is False
+    assert without == {"local": ["KeyError", "LISA"], "hub": ["KeyError", "LISA"]}
+    assert ok(consumer["hint"]) == MISSING_IMPORT_HINT
+    assert "import hf_lisa" in MISSING_IMPORT_HINT and "pip install hf-lisa" in MISSING_IMPORT_HINT
+
+
+def test_interpolation_adapter_round_trips_and_refuses_merge(hub, pushed, consumer):
+    from safetensors.torch import load
+
+    weights = load(hub.files("alice/lisa-interp")["adapter_model.safetensors"])
+    assert any("lisa_interp_delta" in k for k in weights) and any("lisa_interp_beta" in k for k in weights)
+    assert close(ok(consumer["interp"]), pushed["logits_interp"], atol=1e-6)
+    with pytest.raises(ValueError, match="layer_interpolation.*mode='adapter'"):
+        push_to_hub(pushed["interp_model"], "alice/interp-merged", mode="merged", token=WRITE_TOKEN,
+                    endpoint=hub.url)
+    assert not hub.has_repo("alice/interp-merged")  # refused before any request
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# merged mode and full-parameter output
+# ----------------------------------------------------------------------------------------------------------------------
+def test_cli_pushes_merged_sharded_safetensors_without_leaking_the_token(hub, cli_push):
+    assert cli_push.returncode == 0, cli_push.stderr[-3000:]
+    files = hub.files("alice/lisa-merged")
+    shards = sorted(f for f in files if f.startswith("model-"))
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "README.md",
+            "loss.png"} <= set(files)
+    assert set(files) - set(shards) - {"model.safetensors.index.json"} == {
+        ".gitattributes", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "README.md", "loss.png"}
+    assert cli_push.stdout.strip().endswith(hub.commits("alice/lisa-merged")[0])
+    logs = cli_push.stdout + cli_push.stderr
+    assert "Authorization: Bearer <TOKEN>" in logs or "<TOKEN>" in logs  # HF_DEBUG logged the requests, redacted
+    assert WRITE_TOKEN not in logs
+    assert not [line for line in logs.splitlines() if "Pushing" in line and ".bin" in line]
+
+
+def test_merged_model_reproduces_the_unmerged_adapter(trained, consumer, base_dir):
+    from transformers import AutoTokenizer
+
+    assert close(ok(consumer["merged_auto"]), trained["logits"], atol=1e-5)
+    assert close(ok(consumer["merged_lisa"]), trained["logits"], atol=1e-5)
+    assert ok(consumer["merged_tokens"]) == AutoTokenizer.from_pretrained(base_dir)("w1 w2 w77")["input_ids"]
+
+
+def test_merged_card_metadata(consumer):
+    data = ok(consumer["card_merged"])
+    assert data["library_name"] == "transformers"
+    assert data["base_model"] == BASE_REPO and data["base_model_relation"] == "finetune"
+    assert "lisa" in data["tags"] and data["model-index"][0]["results"][0]["metrics"]
+
+
+def test_full_parameter_model_is_pushed_as_merged(hub, pushed, consumer):
+    files = hub.files("alice/full-lisa")
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(files)
+    assert not any(f.startswith("adapter_") for f in files)
+    assert close(ok(consumer["full"]), pushed["logits_full"], atol=1e-6)
+    with pytest.raises(ValueError, match="mode='merged'"):
+        push_to_hub(pushed["full_model"], "alice/full-as-adapter", mode="adapter", token=WRITE_TOKEN,
+                    endpoint=hub.url)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# safety: pickle, privacy
+# ----------------------------------------------------------------------------------------------------------------------
+def test_loading_refuses_pickle_unless_allowed(trained, consumer):
+    refused = consumer["pickle_refused"]
+    assert refused.get("error") == "ValueError" and "allow_pickle=True" in refused["message"]
+    assert "adapter_model.bin" in refused["message"]
+    assert close(ok(consumer["pickle_allowed"]), trained["logits"], atol=1e-6)
+
+
+def test_private_repo_stays_private(hub, trained, consumer):
+    assert hub.repo("alice/lisa-private").private is True
+    assert consumer["private_anonymous"]["status"] == 401
+    assert consumer["private_other_user"]["status"] == 404
+    assert consumer["private_info_anonymous"]["status"] == 401
+    assert ok(consumer["private_owner"]) is True
+    assert close(ok(consumer["private_owner_load"]), trained["logits"], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# failures: each names what failed and leaves the repo as it was
+# ----------------------------------------------------------------------------------------------------------------------
+def snapshot(hub, repo_id):
+    return hub.commits(repo_id), hub.files(repo_id)
+
+
+def test_wrong_token_fails_clearly_without_commit_or_leak(hub, trained, pushed, caplog):
+    before = snapshot(hub, "alice/lisa-adapter")
+    with caplog.at_level(logging.DEBUG), pytest.raises(HubPushError) as info:
+        push_to_hub(trained["dir"], "alice/lisa-adapter", token=WRONG_TOKEN, endpoint=hub.url)
+    message = str(info.value)
+    assert "HTTP 401" in message and "token is invalid" in message and "creating the repository" in message
+    assert info.value.status == 401
+    assert WRONG_TOKEN not in message and WRONG_TOKEN not in caplog.text
+    assert snapshot(hub, "alice/lisa-adapter") == before
+
+
+def test_refused_repo_fails_clearly_without_commit(hub, api, trained, pushed):
+    api.create_repo("alice/frozen")
+    api.upload_file(path_or_fileobj=b"# frozen\n", path_in_repo="README.md", repo_id="alice/frozen")
+    hub.refuse("alice/frozen")
+    before = snapshot(hub, "alice/frozen")
+    with pytest.raises(HubPushError, match=r"refused the write \(HTTP 403\).*read-only") as info:
+        push_to_hub(trained["dir"], "alice/frozen", token=WRITE_TOKEN, endpoint=hub.url)
+    assert info.value.status == 403
+    assert snapshot(hub, "alice/frozen") == before
+    # another user's namespace is refused the same way
+    before = snapshot(hub, "alice/lisa-adapter")
+    with pytest.raises(HubPushError, match=r"HTTP 403"):
+        push_to_hub(trained["dir"], "alice/lisa-adapter", token=OTHER_TOKEN, endpoint=hub.url)
+    assert snapshot(hub, "alice/lisa-adapter") == before
+
+
+def fresh_adapter(base_dir, seed: int):
+    """An adapter whose weights the server has never seen (the LFS store deduplicates by content)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), sparse_mixed_config()).eval()
+    randomize(model, seed=seed)
+    return model
+
+
+def test_server_dying_mid_upload_leaves_the_repo_unchanged(hub, pushed, base_dir):
+    before = snapshot(hub, "alice/lisa-adapter")
+    objects_before = set(hub.state.objects)
+    model = fresh_adapter(base_dir, seed=10)
+    hub.die_on("commit")  # the weights go up (LFS), then the server dies while receiving the commit
+    try:
+        with pytest.raises(HubPushError) as info:
+            push_to_hub(model, "alice/lisa-adapter", token=WRITE_TOKEN, base_model=BASE_REPO, endpoint=hub.url,
+                        max_retries=1, retry_base_wait=0.05)
+    finally:
+        hub.restart()
+    message = str(info.value)
+    assert "uploading the files and creating the commit" in message and "2 attempt(s)" in message
+    assert "left as it was" in message and WRITE_TOKEN not in message
+    assert set(hub.state.objects) - objects_before, "the server died before any upload: nothing was tested"
+    assert snapshot(hub, "alice/lisa-adapter") == before
+
+
+def test_transient_errors_are_retried_into_exactly_one_commit(hub, pushed, base_dir):
+    hub.drop_next("lfs_put")  # huggingface_hub's own backoff retries the upload
+    hub.fail_next("commit", status=503)  # ours retries the commit
+    info = push_to_hub(fresh_adapter(base_dir, seed=11), "alice/retry", token=WRITE_TOKEN, base_model=BASE_REPO,
+                       endpoint=hub.url, retry_base_wait=0.05)
+    commits = [r for r in hub.requests_of("commit") if "alice/retry/" in r.path]
+    assert [r.status for r in commits] == [503, 200]
+    assert [r.status for r in hub.requests_of("lfs_put")][-2:] == [None, 200]
+    assert hub.commits("alice/retry") == [info.oid, hub.commits("alice/retry")[-1]]
+
+
+def test_lost_commit_response_is_not_committed_twice(hub, pushed, base_dir):
+    hub.drop_next("commit", after_apply=True)  # the server applies the commit, then the answer is lost
+    info = push_to_hub(fresh_adapter(base_dir, seed=12), "alice/lost-answer", token=WRITE_TOKEN, base_model=BASE_REPO,
+                       endpoint=hub.url, retry_base_wait=0.05)
+    assert len(hub.commits("alice/lost-answer")) == 2  # initial + exactly one push
+    assert info.oid == hub.commits("alice/lost-answer")[0]
+    assert len([r for r in hub.requests_of("commit") if "alice/lost-answer/" in r.path]) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# card validation and CLI errors
+# ----------------------------------------------------------------------------------------------------------------------
+def test_card_without_hub_base_omits_base_model_and_passes_validation(hub, caplog):
+    from huggingface_hub.utils import get_session
+
+    adapter_config = {"peft_type": "LISA", "task_type": "CAUSAL_LM", "r": 8, "lisa_alpha": 16,
+                      "base_model_name_or_path": "/home/me/models/base"}
+    with caplog.at_level(logging.WARNING, logger="hf_lisa.hub"):
+        card = render_model_card("alice/x", "adapter", adapter_config=adapter_config)
+    assert "No Hub id is known for the base model" in caplog.text
+    assert card.data.base_model is None and "base_model_relation" not in card.data.to_dict()
+    assert "a base model that is not on the Hub (`base`)" in card.text and "/home/me" not in str(card)
+    response = get_session().post(f"{hub.url}/api/validate-yaml", json={"content": str(card), "repoType": "model"})
+    assert response.status_code == 200
+    # the server's check is real: a path as base_model is rejected, as the Hub does
+    bad = str(card).replace("library_name: peft", "library_name: peft\nbase_model: /home/me/models/base", 1)
+    response = get_session().post(f"{hub.url}/api/validate-yaml", json={"content": bad, "repoType": "model"})
+    assert response.status_code == 400 and "base_model" in response.json()["errors"][0]["message"]
+    assert validate_card_metadata("---\nbase_model_relation: adapter\n---\n")[0] == [
+        '"base_model_relation" requires "base_model".']
+
+
+def test_cli_reports_usage_and_missing_directory(work, capsys):
+    assert hub_cli(["push"]) == 2
+    assert hub_cli(["push", str(work / "does-not-exist"), "alice/x"]) == 1
+    assert "does not exist" in capsys.readouterr().err
