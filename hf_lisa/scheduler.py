@@ -338,9 +338,8 @@ class LayerwiseScheduler:
 
     def restore_trainable(self) -> None:
         """Make every candidate trainable again (end of training), leaving the model as it was handed over."""
-        frozen_ids = {id(p) for p in self.frozen_params}
         for p in self.candidates:
-            p.requires_grad_(id(p) not in frozen_ids)
+            p.requires_grad_(True)
 
     # -- reporting ---------------------------------------------------------------------------------------------------
     def param_counts(self) -> dict[str, int]:
