@@ -57,7 +57,9 @@ TOKENIZER_FILES = frozenset(
     }
 )
 ADAPTER_FILES = frozenset({ADAPTER_CONFIG_NAME, ADAPTER_SAFETENSORS_NAME})
-MERGED_FILES = frozenset({MODEL_CONFIG_NAME, "generation_config.json", "model.safetensors", "model.safetensors.index.json"})
+MERGED_FILES = frozenset(
+    {MODEL_CONFIG_NAME, "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
+)
 MERGED_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg")
 TRANSIENT_STATUS_CODES = (408, 429, 500, 502, 503, 504)
@@ -201,7 +203,8 @@ def _find_loss_plot(src: str, summary: dict) -> Optional[str]:
     path = os.path.join(src, name)
     if not os.path.isfile(path):
         if summary.get("loss_plot"):
-            logger.warning("training_summary.json names loss plot %r, which is not in %s; the card has none.", name, src)
+            logger.warning("training_summary.json names loss plot %r, which is not in %s; the card has none.", name,
+                           src)
         return None
     if not name.lower().endswith(IMAGE_SUFFIXES) or os.path.isabs(name) or ".." in name.split("/"):
         logger.warning("Ignoring loss plot %r: expected an image file inside the output directory.", name)
@@ -369,7 +372,12 @@ def _fmt(value: Any) -> str:
         return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) if value else "–"
     if value is None:
         return "–"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: pipes would split it, newlines would end the row."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _method_of(mode: str, adapter_config: Optional[dict], summary: dict) -> str:
@@ -424,8 +432,8 @@ def _module_groups(config: dict) -> list[dict]:
         else:
             mask = "dense (LoRA-equivalent)"
         scaling = _fmt(ga / gr) if isinstance(gr, (int, float)) and isinstance(ga, (int, float)) and gr else "–"
-        groups.append({"modules": modules, "r": _fmt(gr), "alpha": _fmt(ga), "scaling": scaling,
-                       "sparsity": _fmt(gs), "mask": mask})
+        groups.append({"modules": _cell(modules), "r": _cell(_fmt(gr)), "alpha": _cell(_fmt(ga)), "scaling": scaling,
+                       "sparsity": _cell(_fmt(gs)), "mask": mask})
     return groups
 
 
@@ -457,7 +465,7 @@ def _training_rows(method: str, adapter_config: Optional[dict], summary: dict) -
             rows.append(("Layer interpolation", "off"))
     for key, value in sorted(lisa.items()):
         rows.append((f"LISA `{key}`", _fmt(value)))
-    return rows
+    return [(_cell(name), _cell(value)) for name, value in rows]
 
 
 def _eval_results(metrics: dict, task_type: str, datasets: list[str], dataset_name: Optional[str], model_name: str):
@@ -588,7 +596,7 @@ def render_model_card(
     metadata.update(card_data)
     data = ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
 
-    hyperparameters = [(str(k), _fmt(v)) for k, v in (summary.get("hyperparameters") or {}).items()]
+    hyperparameters = [(_cell(k), _cell(_fmt(v))) for k, v in (summary.get("hyperparameters") or {}).items()]
     config_for_rows = adapter_config if (adapter_config or {}).get("r") else None
     if model_config is not None and model_config.get("architectures"):
         auto_class = _auto_class_name_for(model_config)
@@ -620,7 +628,7 @@ def render_model_card(
         training_rows=_training_rows(method, adapter_config, summary),
         module_groups=_module_groups(config_for_rows) if config_for_rows else [],
         hyperparameters=hyperparameters,
-        metrics=[(k, _fmt(v)) for k, v in metrics.items()],
+        metrics=[(_cell(k), _cell(_fmt(v))) for k, v in metrics.items()],
         datasets=datasets,
         loss_plot=loss_plot,
         versions=_framework_versions(),
@@ -753,7 +761,9 @@ def _is_transient(exc: BaseException) -> bool:
 def _transport_cause(exc: BaseException) -> str:
     """The connection-level error under huggingface_hub's wrappers, e.g. "ConnectError: connection refused"."""
     for e in _chain(exc):
-        if isinstance(e, (ConnectionError, TimeoutError)) or _TRANSPORT_ERROR_NAMES & {c.__name__ for c in type(e).__mro__}:
+        if isinstance(e, (ConnectionError, TimeoutError)) or _TRANSPORT_ERROR_NAMES & {
+            c.__name__ for c in type(e).__mro__
+        }:
             return f"{type(e).__name__}: {e}"
     return type(exc).__name__
 

@@ -515,7 +515,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HttpError(403, f"You don't have the rights to create a repository under {namespace!r}.")
             prefix = "" if repo_type == "model" else f"{repo_type}s/"
             if (repo_type, repo_id) in self.state.repos:
-                raise HttpError(409, "You already created this model repo", extra={"url": f"{self.hub.url}/{prefix}{repo_id}"})
+                raise HttpError(409, "You already created this model repo",
+                                extra={"url": f"{self.hub.url}/{prefix}{repo_id}"})
             repo = Repo(repo_type=repo_type, repo_id=repo_id, owner=namespace, private=bool(private))
             oid = self.state.new_commit_oid(repo_id)
             gitattributes = self.state.store(GITATTRIBUTES, ".gitattributes")
@@ -673,7 +674,9 @@ class _Handler(BaseHTTPRequestHandler):
             parts = rest.split("/")[:-1]
             for depth in range(1, len(parts) + 1 if recursive else min(len(parts), 1) + 1):
                 folders.add(prefix + "/".join(parts[:depth]))
-        entries += [{"type": "directory", "path": d, "oid": git_blob_oid(d.encode()), "size": 0} for d in sorted(folders)]
+        entries += [
+            {"type": "directory", "path": d, "oid": git_blob_oid(d.encode()), "size": 0} for d in sorted(folders)
+        ]
         self._send(200, entries)
 
     def _paths_info(self, method, user, query, type, repo, rev):

@@ -389,7 +389,10 @@ def test_adapter_card_places_the_adapter_under_its_base_model(hub, pushed, consu
     assert results["eval_loss"].metric_type == "loss" and results["eval_loss"].dataset_split == "validation"
     assert results["exact_match"].metric_value == pytest.approx(0.375)
     body = card.text
-    assert 'import hf_lisa  # registers the LISA method with PEFT\nmodel = hf_lisa.from_pretrained("alice/lisa-adapter")' in body
+    two_lines = (
+        'import hf_lisa  # registers the LISA method with PEFT\nmodel = hf_lisa.from_pretrained("alice/lisa-adapter")'
+    )
+    assert two_lines in body
     assert "γ = 2 blocks active at a time, switched every K = 5 optimizer steps, cyclic sampling" in body
     assert "| `k_proj`, `q_proj`, `v_proj` | 8 | 8 | 1 | 0.5 | 2×2 blocks |" in body
     assert "| `down_proj` | 4 | 8 | 2 | 0 | dense (LoRA-equivalent) |" in body
@@ -453,7 +456,9 @@ def test_cli_pushes_merged_sharded_safetensors_without_leaking_the_token(hub, cl
     logs = cli_push.stdout + cli_push.stderr
     assert "Authorization: Bearer <TOKEN>" in logs or "<TOKEN>" in logs  # HF_DEBUG logged the requests, redacted
     assert WRITE_TOKEN not in logs
-    assert not [line for line in logs.splitlines() if "Pushing" in line and ".bin" in line]
+    pushed_line = next(line for line in logs.splitlines() if "Pushing" in line and "files to alice/lisa-merged" in line)
+    assert ".safetensors" in pushed_line and not [s for s in PICKLE_SUFFIXES if s in pushed_line]
+    assert "training_args.bin" not in logs and "optimizer.pt" not in logs
 
 
 def test_merged_model_reproduces_the_unmerged_adapter(trained, consumer, base_dir):
@@ -520,7 +525,8 @@ def test_wrong_token_fails_clearly_without_commit_or_leak(hub, trained, pushed, 
 
 def test_refused_repo_fails_clearly_without_commit(hub, api, trained, pushed):
     api.create_repo("alice/frozen")
-    api.upload_file(path_or_fileobj=b"# frozen\n", path_in_repo="README.md", repo_id="alice/frozen")
+    api.upload_file(path_or_fileobj=b"---\nlicense: mit\n---\n# frozen\n", path_in_repo="README.md",
+                    repo_id="alice/frozen")
     hub.refuse("alice/frozen")
     before = snapshot(hub, "alice/frozen")
     with pytest.raises(HubPushError, match=r"refused the write \(HTTP 403\).*read-only") as info:
