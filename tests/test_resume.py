@@ -1,0 +1,104 @@
+"""Resuming from a mid-interval ``checkpoint-N`` follows the uninterrupted run exactly (CPU, fp32: bit for bit)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import Trainer
+
+import hf_lisa
+from hf_lisa.layer import LisaLayer
+from trainer_callbacks import LisaAdapterCallback, LisaCallback
+from trainer_callbacks.lisa import SPILL_FILE
+
+
+def _per_step(trainer, key):
+    return {h["step"]: h[key] for h in trainer.state.log_history if "loss" in h and key in h}
+
+
+def _lisa_callback(trainer, cls):
+    (callback,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)]
+    return callback
+
+
+@pytest.mark.parametrize(
+    "sampling, restore_flag", [("uniform", True), ("importance", False), ("cyclic", False)]
+)
+def test_full_parameter_resume_from_mid_interval_checkpoint_matches_uninterrupted_run(
+    tiny_llama, token_dataset, training_args, sampling, restore_flag
+):
+    k, steps = 3, 10
+    args = training_args(
+        max_steps=steps, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=restore_flag
+    )
+    uninterrupted_model = tiny_llama(seed=0)
+    uninterrupted = Trainer(
+        model=uninterrupted_model, args=args, train_dataset=token_dataset(),
+        callbacks=[LisaCallback(activated_layers=1, interval_steps=k, sampling=sampling, seed=9)],
+    )
+    uninterrupted.train()
+    checkpoint = os.path.join(args.output_dir, "checkpoint-4")  # 4 % K != 0: mid-interval
+
+    resumed_model = tiny_llama(seed=1)  # different init: everything must come from the checkpoint
+    original_callback = LisaCallback(activated_layers=1, interval_steps=k, sampling=sampling, seed=9)
+    resumed = Trainer(model=resumed_model, args=args, train_dataset=token_dataset(), callbacks=[original_callback])
+    resumed.train(resume_from_checkpoint=checkpoint)
+
+    lisa = _lisa_callback(resumed, LisaCallback)
+    assert (lisa is not original_callback) == restore_flag  # the Trainer rebuilds ExportableState callbacks
+    first = _lisa_callback(uninterrupted, LisaCallback).layer_scheduler
+    assert [s for s, _ in lisa.layer_scheduler.history] == [6, 9]  # no spurious draw at the resume step
+    assert lisa.layer_scheduler.history == first.history[-2:]
+    assert _per_step(resumed, "lisa/active_blocks") == _per_step(uninterrupted, "lisa/active_blocks")
+    assert len(_per_step(resumed, "lisa/active_blocks")) == steps
+    if sampling == "importance":
+        assert lisa.layer_scheduler.sampler.scores == first.sampler.scores
+    for (name, a), (_, b) in zip(uninterrupted_model.named_parameters(), resumed_model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def _adapter_weights_and_masks(model):
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lisa_" in n}
+    masks = {n: m.get_mask("default").clone() for n, m in model.named_modules() if isinstance(m, LisaLayer)}
+    return weights, masks
+
+
+@pytest.mark.parametrize("spill", [False, True], ids=["state-in-json", "tensors-in-side-file"])
+def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
+    tiny_llama, token_dataset, training_args, monkeypatch, spill
+):
+    if spill:  # every tensor goes to checkpoint-N/lisa_scheduler_tensors.safetensors
+        monkeypatch.setattr(LisaAdapterCallback, "inline_state_max_bytes", 0)
+    config = hf_lisa.LisaConfig(
+        r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance", mask_update_interval=4,
+        importance_steps=2, new_block_bonus=0.5, lisa_activated_layers=2, lisa_interval_steps=2,
+        layer_interpolation=True,
+    )
+    # checkpoint-3: mid layer period (3 % 2) and inside the importance window [2, 4) of the re-selection at step 4
+    args = training_args(max_steps=9, save_strategy="steps", save_steps=3,
+                         restore_callback_states_from_checkpoint=not spill)
+    first_model = get_peft_model(tiny_llama(seed=0), config)
+    first = Trainer(model=first_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)])
+    first.train()
+    checkpoint = os.path.join(args.output_dir, "checkpoint-3")
+    assert os.path.isfile(os.path.join(checkpoint, SPILL_FILE)) == spill
+
+    resumed_model = get_peft_model(tiny_llama(seed=0), config)
+    resumed = Trainer(model=resumed_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)])
+    resumed.train(resume_from_checkpoint=checkpoint)
+
+    lisa_first = _lisa_callback(first, LisaAdapterCallback)
+    lisa = _lisa_callback(resumed, LisaAdapterCallback)
+    assert [u["step"] for u in lisa_first.mask_updates] == [0, 4, 8]
+    assert lisa.mask_updates == lisa_first.mask_updates[1:]  # same changes, same measured loss jumps
+    assert lisa.layer_scheduler.history == lisa_first.layer_scheduler.history[-3:]
+    assert _per_step(resumed, "lisa/active_blocks") == _per_step(first, "lisa/active_blocks")
+    weights_a, masks_a = _adapter_weights_and_masks(first_model)
+    weights_b, masks_b = _adapter_weights_and_masks(resumed_model)
+    for name in masks_a:
+        assert torch.equal(masks_a[name], masks_b[name]), name
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name

@@ -1,0 +1,199 @@
+"""Adapter-form LISA (LisaAdapterCallback): layerwise sampling of LISA adapters and sparse-mask re-selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from transformers import Trainer
+
+import hf_lisa
+from hf_lisa import masks as M
+from hf_lisa.layer import LisaLayer
+from hf_lisa.optim_state import unwrap_optimizer
+from hf_lisa.scheduler import MaskScheduler
+from trainer_callbacks import LisaAdapterCallback
+
+
+def _train(model, args, dataset, callbacks=()):
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=list(callbacks))
+    trainer.train()
+    return trainer
+
+
+def _lisa_layers(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LisaLayer)]
+
+
+def _block_of(name):
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_only_sampled_blocks_adapters_train_and_the_rest_stays_trainable(tiny_llama, token_dataset, training_args):
+    config = hf_lisa.LisaConfig(
+        r=4, target_modules=["q_proj", "v_proj"], lisa_activated_layers=1, lisa_interval_steps=2,
+        layer_interpolation=True, modules_to_save=["lm_head"],
+    )
+    model = get_peft_model(tiny_llama(), config)
+    before = _snapshot(model)
+    lisa = LisaAdapterCallback(seed=0)
+    trainer = _train(model, training_args(max_steps=4), token_dataset(), [lisa])
+
+    scheduler = lisa.layer_scheduler
+    assert lisa.mask_scheduler is None  # dense adapters: nothing to re-select
+    assert [s for s, _ in scheduler.history] == [0, 2]
+    ever = {b for _, blocks in scheduler.history for b in blocks}
+    assert len(ever) <= 2
+    after = dict(model.named_parameters())
+    for name, value in before.items():
+        moved = not torch.equal(after[name], value)
+        if ".lisa_B." in name:
+            assert moved == (_block_of(name) in ever), name
+        elif ".lisa_A." in name and _block_of(name) not in ever:
+            assert not moved, name  # never active: A untouched (B = 0 gives A no gradient on the first step only)
+        elif "lisa_interp" in name or "modules_to_save" in name:
+            assert moved, f"{name} must train throughout"
+        elif "lisa_" not in name:
+            assert not moved, f"base weight {name} moved"
+    # interpolation scalars and the modules_to_save head are the always-trainable set, counted beside the blocks
+    counts = scheduler.param_counts()
+    assert counts["always_trainable"] == 2 * 4 + 64 * 32
+    state_ids = {id(p) for p in unwrap_optimizer(trainer.optimizer).state}
+    assert state_ids <= {id(p) for p in scheduler.trainable_parameters()}
+    logged = [h["lisa/active_blocks"] for h in trainer.state.log_history if "loss" in h]
+    assert logged == [",".join(map(str, scheduler.history[i // 2][1])) for i in range(4)]
+
+
+def test_gamma_zero_trains_every_adapter_without_sampling(tiny_llama, token_dataset, training_args):
+    config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj"], sparsity=0.5, mask_update_interval=0,
+                                mask_init="magnitude", lisa_activated_layers=0)
+    model = get_peft_model(tiny_llama(), config)
+    before = _snapshot(model)
+    lisa = LisaAdapterCallback()
+    _train(model, training_args(max_steps=3), token_dataset(), [lisa])
+    assert lisa.layer_scheduler is None and lisa.mask_scheduler is not None
+    for name, p in model.named_parameters():
+        if ".lisa_B." in name:
+            assert not torch.equal(p, before[name]), name
+
+
+def _structure_ok(mask, structure):
+    if structure == "block":
+        grid = mask[::2, ::2]
+        return torch.equal(M.expand_grid(grid, "block", (2, 2)), mask) and grid.float().mean().item() == 0.5
+    groups = mask.reshape(mask.shape[0], -1, 4).sum(-1)
+    return bool((groups == 2).all())
+
+
+@pytest.mark.parametrize("structure", ["block", "n:m"])
+def test_sparse_mask_is_reselected_on_schedule_keeps_structure_and_saved_mask_equals_live(
+    tiny_llama, token_dataset, training_args, tmp_path, structure
+):
+    config = hf_lisa.LisaConfig(
+        r=4, target_modules=["q_proj", "up_proj"], sparsity=0.5, sparsity_structure=structure, block_size=(2, 2),
+        n_m=(2, 4), mask_init="importance", mask_update_interval=3, importance_steps=2, lisa_activated_layers=0,
+    )
+    model = get_peft_model(tiny_llama(), config)
+    magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
+    lisa = LisaAdapterCallback()
+    trainer = _train(model, training_args(max_steps=7), token_dataset(), [lisa])
+
+    # calibration at train begin (step 0), then every mask_update_interval steps
+    assert [u["step"] for u in lisa.mask_updates] == [0, 3, 6]
+    assert all(u["layers_updated"] == len(magnitude) for u in lisa.mask_updates)
+    assert all(u["changed_fraction"] > 0 for u in lisa.mask_updates)
+    for name, layer in _lisa_layers(model):
+        live = layer.get_mask("default")
+        assert _structure_ok(live, structure), name
+        assert not torch.equal(live, magnitude[name])
+    # the loss jump of each re-selection is measured on a fixed batch and reaches the Trainer's logs
+    logged = [h for h in trainer.state.log_history if "lisa/mask_loss_jump" in h]
+    assert [h["lisa/mask_update_step"] for h in logged] == [3, 6]
+    for h, update in zip(logged, lisa.mask_updates[1:]):
+        assert math.isfinite(h["lisa/mask_loss_jump"])
+        assert h["lisa/mask_loss_jump"] == pytest.approx(h["lisa/mask_loss_after"] - h["lisa/mask_loss_before"])
+        assert h["lisa/mask_loss_jump"] == update["loss_jump"]
+    # the mask saved with the adapter is the live one
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
+    reloaded_layers = dict(_lisa_layers(reloaded))
+    for name, layer in _lisa_layers(model):
+        assert torch.equal(reloaded_layers[name].get_mask("default"), layer.get_mask("default")), name
+    ids = token_dataset().input_ids[:2]
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dataset, training_args):
+    importance_steps, batch_size = 2, 2
+    config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
+                                importance_steps=importance_steps, mask_update_interval=0)
+    dataset = token_dataset()
+    # reference: while B = 0, dL/d(W + ΔW) is the gradient of the base weight itself; pool |grad| per 2x2 block
+    reference = tiny_llama()
+    scores: dict[str, torch.Tensor] = {}
+    for i in range(importance_steps):
+        reference.zero_grad()
+        batch = {k: torch.stack([dataset[j][k] for j in range(i * batch_size, (i + 1) * batch_size)]) for k in ("input_ids", "labels")}
+        reference(**batch).loss.backward()
+        for name, module in reference.named_modules():
+            if name.endswith(("q_proj", "v_proj")):
+                pooled = M.pool_scores(module.weight.grad.abs(), "block", (2, 2))
+                scores[name] = pooled if name not in scores else scores[name] + pooled
+    model = get_peft_model(tiny_llama(), config)
+    magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
+    _train(model, training_args(max_steps=1, per_device_train_batch_size=batch_size), dataset, [LisaAdapterCallback()])
+    for name, layer in _lisa_layers(model):
+        expected = M.select_mask(scores[name.removeprefix("base_model.model.")], "block", 0.5, (2, 2), pooled=True)
+        assert torch.equal(layer.get_mask("default"), expected), name
+        assert not torch.equal(expected, magnitude[name])
+        assert not layer.lisa_track_importance and "default" not in layer.lisa_importance
+
+
+def test_new_block_bonus_protects_cells_switched_on_at_the_previous_update(tiny_llama):
+    config = hf_lisa.LisaConfig(r=2, target_modules=["q_proj"], sparsity=0.5, mask_init="magnitude",
+                                mask_update_interval=4, importance_steps=2, new_block_bonus=0.5)
+    model = get_peft_model(tiny_llama(num_layers=1), config)
+    scheduler = MaskScheduler(model)
+    (name, layer), = scheduler.layers
+    grid0 = layer.get_mask("default")[::2, ::2].clone()
+    gen = torch.Generator().manual_seed(0)
+
+    first = torch.rand(grid0.shape, generator=gen)
+    layer.lisa_importance["default"] = first.clone()
+    scheduler.select(4)
+    grid1 = layer.get_mask("default")[::2, ::2].clone()
+    new1 = grid1 & ~grid0
+    assert torch.equal(scheduler.new_cells[name], new1) and new1.any()
+
+    second = torch.rand(grid0.shape, generator=gen)
+    layer.lisa_importance["default"] = second.clone()
+    scheduler.select(8)
+    boosted = M.add_new_block_bonus(second, grid1, new1, 0.5)
+    assert torch.equal(layer.get_mask("default"), M.select_mask(boosted, "block", 0.5, (2, 2), pooled=True))
+    without_bonus = M.select_mask(second, "block", 0.5, (2, 2), pooled=True)[::2, ::2]
+    kept_new = layer.get_mask("default")[::2, ::2] & new1
+    assert kept_new.sum() > (without_bonus & new1).sum()  # the bonus kept cells that plain scores would drop
+
+
+def test_adapter_callback_guard_rails(tiny_llama, token_dataset, training_args):
+    with pytest.raises(ValueError, match="PeftModel with a LisaConfig"):
+        _train(tiny_llama(), training_args(max_steps=1), token_dataset(), [LisaAdapterCallback()])
+    model = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=2, lisa_activated_layers=2))
+    with pytest.raises(ValueError, match=r"lisa_activated_layers \(γ\)=5 is larger"):
+        _train(model, training_args(max_steps=1), token_dataset(), [LisaAdapterCallback(activated_layers=5)])
+    sparse = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=2, sparsity=0.5, mask_update_interval=8))
+    with pytest.raises(ValueError, match="mask_update_interval=2 is shorter than the importance window"):
+        _train(sparse, training_args(max_steps=1), token_dataset(),
+               [LisaAdapterCallback(mask_update_interval=2, importance_steps=4)])
+    for kwargs, field in [({"interval_steps": 0}, "interval_steps"), ({"sampling": "x"}, "sampling"),
+                          ({"activated_layers": -1}, "activated_layers"), ({"importance_steps": 0}, "importance_steps")]:
+        with pytest.raises(ValueError, match=field):
+            LisaAdapterCallback(**kwargs)
