@@ -927,7 +927,7 @@ def push_to_hub(
         mode: ``"adapter"`` or ``"merged"``; by default adapters are pushed as adapters and full weights as merged.
         private: create the repo private (an existing repo keeps its visibility).
         revision: branch to push to, created from ``main`` if missing.
-        commit_message: defaults to "Upload LISA adapter" / "Upload merged LISA model".
+        commit_message: defaults to "Upload adapter (hf-lisa, <method>)" / "Upload merged weights (...)".
         token: a write token; defaults to ``HF_TOKEN`` or the saved login. Never printed or logged.
         card_data: metadata overrides for the card, e.g. ``{"language": "en", "license": "mit"}``.
         base_model: Hub id of the base model, for the card and for the uploaded adapter config when training
@@ -984,7 +984,8 @@ def push_to_hub(
         _validate_staged(staged, files)
         method = _method_of(staged.mode, staged.adapter_config, staged.summary)
         message = commit_message or (
-            f"Upload LISA adapter ({method})" if staged.mode == "adapter" else f"Upload merged LISA model ({method})"
+            f"Upload adapter (hf-lisa, {method})" if staged.mode == "adapter"
+            else f"Upload merged weights (hf-lisa, {method})"
         )
         ctx = {"repo_id": repo_id, "endpoint": api.endpoint, "redact": _Redactor(token or get_token()),
                "max_retries": max_retries, "retry_base_wait": retry_base_wait}

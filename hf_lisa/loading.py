@@ -81,6 +81,9 @@ class _Source:
     def __init__(self, repo_or_dir: Union[str, os.PathLike], revision: Optional[str], token) -> None:
         self.name = os.fspath(repo_or_dir)
         self.local = os.path.isdir(self.name)
+        path_like = os.path.isabs(self.name) or self.name.startswith((".", "~")) or self.name.count("/") > 1
+        if not self.local and path_like:
+            raise FileNotFoundError(f"{self.name!r} is not a directory, and not a Hub repo id ('namespace/name').")
         self.revision = revision
         self.token = token
 

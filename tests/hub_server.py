@@ -310,6 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server.hub.state
 
     def _read_body(self, limit: Optional[int] = None) -> bytes:
+        self._body_consumed = True
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             chunks = []
             while True:
@@ -352,6 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._status: Optional[int] = None
+        self._body_consumed = method in ("GET", "HEAD")
         self._user: Optional[str] = None
         self._paths: list[str] = []
         url = urlsplit(self.path)
@@ -375,6 +377,8 @@ class _Handler(BaseHTTPRequestHandler):
         except _Drop:
             self._drop()
         except HttpError as err:
+            if not self._body_consumed:  # an unread body would be parsed as the next request on this connection
+                self._read_body()
             headers = {"X-Error-Message": err.message}
             if err.code:
                 headers["X-Error-Code"] = err.code

@@ -33,7 +33,14 @@ from hub_server import HubServer, validate_card_metadata  # noqa: E402
 
 import hf_lisa  # noqa: E402
 from hf_lisa.errors import MISSING_IMPORT_HINT  # noqa: E402
-from hf_lisa.hub import PICKLE_SUFFIXES, HubPushError, hub_cli, push_to_hub, render_model_card  # noqa: E402
+from hf_lisa.hub import (  # noqa: E402
+    PICKLE_SUFFIXES,
+    HubPushError,
+    explain_missing_import,
+    hub_cli,
+    push_to_hub,
+    render_model_card,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WRITE_TOKEN = "hf_lisaTestAliceWrite0123456789abcdef"
@@ -293,6 +300,7 @@ CONSUMER = textwrap.dedent('''
     record("peft_adapter", lambda: logits(PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(spec["base_repo"]), "alice/lisa-adapter")))
     record("lisa_adapter", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter")))
+    record("local_adapter", lambda: logits(hf_lisa.from_pretrained(spec["adapter_dir"])))
     record("lisa_adapter_branch", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter", revision="experiment")))
     record("lisa_adapter_oid", lambda: logits(hf_lisa.from_pretrained("alice/lisa-adapter",
                                                                       revision=spec["adapter_oid"])))
@@ -410,6 +418,7 @@ def test_adapter_loads_in_a_fresh_process_with_peft_and_hf_lisa(trained, consume
     assert close(ok(consumer["peft_adapter"]), trained["logits"], atol=1e-6)
     assert close(ok(consumer["lisa_adapter"]), trained["logits"], atol=1e-6)
     assert close(ok(consumer["lisa_adapter_oid"]), trained["logits"], atol=1e-6)
+    assert close(ok(consumer["local_adapter"]), trained["logits"], atol=1e-6)
 
 
 def test_from_pretrained_honours_revision(trained, pushed, consumer, hub):
@@ -425,6 +434,11 @@ def test_missing_import_gives_a_clear_instruction(consumer):
     assert without == {"local": ["KeyError", "LISA"], "hub": ["KeyError", "LISA"]}
     assert ok(consumer["hint"]) == MISSING_IMPORT_HINT
     assert "import hf_lisa" in MISSING_IMPORT_HINT and "pip install hf-lisa" in MISSING_IMPORT_HINT
+    assert explain_missing_import(KeyError("LORA")) is None and explain_missing_import(ValueError("LISA")) is None
+    try:
+        raise RuntimeError("while loading") from KeyError("LISA")
+    except RuntimeError as exc:
+        assert str(explain_missing_import(exc)) == MISSING_IMPORT_HINT
 
 
 def test_interpolation_adapter_round_trips_and_refuses_merge(hub, pushed, consumer):
@@ -494,6 +508,16 @@ def test_loading_refuses_pickle_unless_allowed(trained, consumer):
     assert refused.get("error") == "ValueError" and "allow_pickle=True" in refused["message"]
     assert "adapter_model.bin" in refused["message"]
     assert close(ok(consumer["pickle_allowed"]), trained["logits"], atol=1e-6)
+
+
+def test_pickle_only_adapter_directory_is_never_uploaded(hub, work, trained):
+    folder = work / "pickle-only"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text((trained["dir"] / "adapter_config.json").read_text())
+    torch.save({"w": torch.zeros(2)}, folder / "adapter_model.bin")
+    with pytest.raises(ValueError, match="never uploads"):
+        push_to_hub(folder, "alice/pickle-only", token=WRITE_TOKEN, endpoint=hub.url)
+    assert not hub.has_repo("alice/pickle-only")
 
 
 def test_private_repo_stays_private(hub, trained, consumer):
