@@ -602,10 +602,8 @@ def render_model_card(
         auto_class = _auto_class_name_for(model_config)
     else:
         auto_class = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
-    peft_auto = {"AutoModel": "AutoPeftModel"}.get(
-        TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM"),
-        TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM").replace("AutoModel", "AutoPeftModel"),
-    )
+    # PEFT's auto classes mirror transformers' names: AutoModelForCausalLM -> AutoPeftModelForCausalLM
+    peft_auto = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM").replace("AutoModel", "AutoPeftModel")
     local_display = os.path.basename(os.path.normpath(str(recorded_base))) if recorded_base else "unknown"
     sparse = config_for_rows is not None and (
         float(config_for_rows.get("sparsity") or 0) > 0 or any((config_for_rows.get("sparsity_pattern") or {}).values())
