@@ -287,6 +287,10 @@ class LayerwiseScheduler:
             self.history.append((global_step, list(self.active)))
         trainable = {id(p) for p in self.trainable_parameters()}
         frozen = [p for p in self.candidates if id(p) not in trainable]
+        if frozen and optimizer is not None:  # DeepSpeed ZeRO and flat-parameter engines would train silently wrong
+            from .distributed import check_layer_switching_supported
+
+            check_layer_switching_supported(optimizer=optimizer, params=self.candidates)
         for p in self.candidates:
             p.requires_grad_(id(p) in trainable)
         for p in frozen:
@@ -614,12 +618,20 @@ class MaskScheduler:
     def calibrate(self, model: nn.Module, batches: Iterable[Mapping[str, Any]]) -> dict:
         """First importance-based selection from calibration batches, before any optimizer step.
 
-        Runs forward/backward on ``batches`` (no optimizer step), selects ``M``, then sets the grads of every model
-        parameter back to ``None``. The global RNG state is left untouched, so the training run
-        sees the same dropout and shuffling as without calibration.
+        Runs forward and backward on ``batches`` without an optimizer step and selects ``M``. Gradients are taken with
+        ``torch.autograd.grad``, so no ``.grad`` is written: under DDP a backward outside the wrapper's forward would
+        fire the reducer's hooks and corrupt its bookkeeping of unused parameters (seen with layerwise sampling). The
+        global RNG state is left untouched, so training sees the same dropout and shuffling as without calibration.
         """
+        inputs = [
+            p for _, layer in self.layers for p in layer.lisa_B[self.adapter_name].parameters() if p.requires_grad
+        ]
+        if not inputs:
+            raise ValueError(
+                "mask_init='importance' needs trainable LISA adapters at train begin to score |dL/dW|; the sparse "
+                "adapters are frozen. Make the adapter trainable (is_trainable=True) or use mask_init='magnitude'."
+            )
         self.reset_importance()
-        self.set_tracking(True)
         was_training = model.training
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
@@ -627,25 +639,58 @@ class MaskScheduler:
                 model.train()
                 seen = 0
                 for batch in batches:
-                    outputs = model(**batch)
-                    loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
-                    if loss is None:
-                        raise ValueError(
-                            "mask_init='importance' selects the first mask from |dL/dW| on training batches, but the "
-                            "model returned no loss (are labels in the batch?). Use mask_init='magnitude' instead."
-                        )
-                    loss.backward()
+                    self._importance_pass(model, batch, inputs)
                     seen += 1
                 if not seen:
                     raise ValueError("mask_init='importance' needs at least one training batch for calibration.")
         finally:
             self.set_tracking(False)
             model.train(was_training)
-            for p in model.parameters():
-                p.grad = None
         record = self.select(0, loss_fn=None, bonus=False)
         self.calibrated = True
         return record
+
+    def _importance_pass(self, model: nn.Module, batch: Mapping[str, Any], inputs: list[nn.Parameter]) -> None:
+        snapshot = {name: t.clone() for name, t in self._accumulators().items()}
+        self.set_tracking(True)
+        try:
+            grads = torch.autograd.grad(self._loss(model, batch), inputs, allow_unused=True)
+            reached = any(g is not None for g in grads)
+        except RuntimeError as err:
+            if "checkpoint" not in str(err).lower():
+                raise
+            reached = False
+        if not reached:
+            # reentrant activation checkpointing hides the parameters from autograd.grad (it returns None, or raises
+            # on some versions): redo the batch with a plain backward, which replays the checkpointed segments
+            self._restore_accumulators(snapshot)
+            self._loss(model, batch).backward()
+            for p in model.parameters():
+                p.grad = None
+
+    @staticmethod
+    def _loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        outputs = model(**batch)
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "mask_init='importance' selects the first mask from |dL/dW| on training batches, but the model returned "
+                "no loss (are labels in the batch?). Use mask_init='magnitude' instead."
+            )
+        return loss
+
+    def _accumulators(self) -> dict[str, torch.Tensor]:
+        return {
+            name: layer.lisa_importance[self.adapter_name]
+            for name, layer in self.layers
+            if self.adapter_name in layer.lisa_importance
+        }
+
+    def _restore_accumulators(self, snapshot: Mapping[str, torch.Tensor]) -> None:
+        self.reset_importance()
+        layers = dict(self.layers)
+        for name, tensor in snapshot.items():
+            layers[name].lisa_importance[self.adapter_name] = tensor
 
     def mask_checksum(self) -> int:
         """CRC32 over every layer's packed mask buffer: a cheap check that the model and the schedule agree."""

@@ -197,3 +197,23 @@ def test_adapter_callback_guard_rails(tiny_llama, token_dataset, training_args):
                           ({"activated_layers": -1}, "activated_layers"), ({"importance_steps": 0}, "importance_steps")]:
         with pytest.raises(ValueError, match=field):
             LisaAdapterCallback(**kwargs)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_calibration_gives_the_same_mask_under_activation_checkpointing(tiny_llama, token_dataset, use_reentrant):
+    # reentrant checkpointing hides parameters from torch.autograd.grad; calibration must notice and still score
+    data = token_dataset()
+    batches = [{"input_ids": data.input_ids[i : i + 2], "labels": data.input_ids[i : i + 2]} for i in (0, 2)]
+    config = dict(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, importance_steps=2)
+    masks = []
+    for checkpointing in (False, True):
+        base = tiny_llama()
+        if checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+            base.enable_input_require_grads()
+        model = get_peft_model(base, hf_lisa.LisaConfig(**config))
+        scheduler = MaskScheduler(model)
+        scheduler.calibrate(model, batches)
+        assert all(p.grad is None for p in model.parameters())
+        masks.append([layer.get_mask("default") for _, layer in scheduler.layers])
+    assert all(torch.equal(a, b) for a, b in zip(*masks))
