@@ -36,7 +36,11 @@ def decode_tensor(data: dict[str, Any]) -> torch.Tensor:
 
 
 def encode_state(
-    obj: Any, *, spill: Optional[dict[str, torch.Tensor]] = None, inline_max_bytes: Optional[int] = None, _path: str = ""
+    obj: Any,
+    *,
+    spill: Optional[dict[str, torch.Tensor]] = None,
+    inline_max_bytes: Optional[int] = None,
+    _path: str = "",
 ) -> Any:
     """Turn ``obj`` into JSON-serialisable data.
 

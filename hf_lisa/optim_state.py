@@ -28,14 +28,14 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         True
     """
     seen = set()
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        if id(optimizer) in seen:  # a wrapper pointing at itself; stop rather than loop forever
-            break
+    # AcceleratedOptimizer subclasses torch.optim.Optimizer itself, so follow `.optimizer` whatever the type
+    while hasattr(getattr(optimizer, "optimizer", None), "param_groups") and id(optimizer) not in seen:
         seen.add(id(optimizer))
         optimizer = optimizer.optimizer
     if not hasattr(optimizer, "state") or not hasattr(optimizer, "param_groups"):
         raise TypeError(
-            f"Expected a torch.optim.Optimizer (or a wrapper exposing it as `.optimizer`), got {type(optimizer).__name__}."
+            "Expected a torch.optim.Optimizer (or a wrapper exposing it as `.optimizer`), got "
+            f"{type(optimizer).__name__}."
         )
     return optimizer
 
@@ -53,8 +53,8 @@ def _tensor_bytes(value: Any) -> int:
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes held by the tensors of the optimizer's per-parameter state (moments, step counters, buffers).
 
-    For ``torch.optim.AdamW`` this is ``Σ (2 · numel · element_size + 4)`` over the parameters with state: two moments
-    and a float32 ``step`` tensor each.
+    For ``torch.optim.AdamW`` this is ``Σ (2 · numel · element_size + 4)`` over the parameters with state: two
+    moments and a float32 ``step`` tensor each.
 
     Example:
         >>> import torch

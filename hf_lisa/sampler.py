@@ -141,7 +141,8 @@ class LayerSampler:
             if not math.isfinite(value):
                 continue
             old = self.scores[int(index)]
-            self.scores[int(index)] = value if old is None else self.importance_decay * old + (1 - self.importance_decay) * value
+            decay = self.importance_decay
+            self.scores[int(index)] = value if old is None else decay * old + (1 - decay) * value
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -166,7 +167,8 @@ class LayerSampler:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"Cannot restore the layer sampler: the checkpoint has {key}={state[key]!r} but this run has "
-                    f"{key}={getattr(self, key)!r}. Resume with the settings of the checkpointed run, or start a new run."
+                    f"{key}={getattr(self, key)!r}. Resume with the settings of the checkpointed run, or start a new "
+                    "run."
                 )
         self.seed = state["seed"]
         self.importance_decay = state["importance_decay"]

@@ -244,7 +244,9 @@ class LayerwiseScheduler:
                 try:
                     pattern = re.compile(spec)
                 except re.error as err:
-                    raise ValueError(f"always_trainable entry {spec!r} is not a keyword nor a valid regex: {err}") from None
+                    raise ValueError(
+                        f"always_trainable entry {spec!r} is not a keyword nor a valid regex: {err}"
+                    ) from None
                 matched = 0
                 for name, module in root.named_modules():
                     if name == spec or name.endswith("." + spec) or pattern.fullmatch(name):
@@ -312,7 +314,7 @@ class LayerwiseScheduler:
         return True
 
     def switch_to(self, blocks: Sequence[int], optimizer: Any = None, global_step: Optional[int] = None) -> None:
-        """Make exactly ``blocks`` active: freeze the others, clear their grads and (drop policy) their optimizer state."""
+        """Make exactly ``blocks`` active: freeze the others, clear their grads and (drop policy) optimizer state."""
         new = sorted(set(int(b) for b in blocks))
         old = set(self.active)
         deactivated = [p for b in sorted(old - set(new)) for p in self.block_params[b]]
@@ -331,7 +333,7 @@ class LayerwiseScheduler:
             self.history.append((global_step, list(new)))
 
     def observe_gradients(self) -> dict[int, float]:
-        """Feed the active blocks' gradient norms to the sampler (``"importance"`` strategy). Call with grads present."""
+        """Feed the active blocks' gradient norms to the sampler (``"importance"`` strategy); needs grads present."""
         norms = {}
         for b in self.active:
             grads = [p.grad for p in self.block_params[b] if p.grad is not None]
@@ -480,7 +482,8 @@ class MaskScheduler:
         self.mask_init = config.mask_init if mask_init is None else mask_init
         if not _is_int(self.update_interval) or self.update_interval < 0:
             raise ValueError(
-                f"mask_update_interval={self.update_interval!r} is invalid; allowed: an integer >= 0 (0 never re-selects)."
+                f"mask_update_interval={self.update_interval!r} is invalid; allowed: an integer >= 0 (0 never "
+                "re-selects)."
             )
         if not _is_int(self.importance_steps) or self.importance_steps < 1:
             raise ValueError(f"importance_steps={self.importance_steps!r} is invalid; allowed: an integer >= 1.")
@@ -547,11 +550,12 @@ class MaskScheduler:
 
             device = next((t.device for t in present if t is not None), None)
             if device is None:
-                device = self.layers[0][1].lisa_A[self.adapter_name].weight.device if self.layers else torch.device("cpu")
+                device = self.layers[0][1].lisa_A[self.adapter_name].weight.device
             flags = torch.tensor([0.0 if t is None else 1.0 for t in present], device=device)
             flat = torch.cat(
                 [
-                    (torch.zeros(self._grid_shape(layer), device=device) if t is None else t.float().to(device)).reshape(-1)
+                    (torch.zeros(self._grid_shape(layer), device=device) if t is None else t.float().to(device))
+                    .reshape(-1)
                     for t, (_, layer) in zip(present, self.layers)
                 ]
                 + [flags]
@@ -586,7 +590,9 @@ class MaskScheduler:
             previous_new = self.new_cells.get(name)
             if bonus and previous_new is not None and self.new_block_bonus > 0:
                 scores = M.add_new_block_bonus(scores, current, previous_new.to(scores.device), self.new_block_bonus)
-            full = M.select_mask(scores, spec["structure"], spec["sparsity"], spec["block_size"], spec["n_m"], pooled=True)
+            full = M.select_mask(
+                scores, spec["structure"], spec["sparsity"], spec["block_size"], spec["n_m"], pooled=True
+            )
             layer.set_mask(self.adapter_name, full)
             grid = self._current_grid(layer).to(current.device)
             self.new_cells[name] = (grid & ~current).cpu() if bonus else torch.zeros_like(grid, device="cpu")
@@ -674,8 +680,8 @@ class MaskScheduler:
         loss = outputs["loss"] if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
         if loss is None:
             raise ValueError(
-                "mask_init='importance' selects the first mask from |dL/dW| on training batches, but the model returned "
-                "no loss (are labels in the batch?). Use mask_init='magnitude' instead."
+                "mask_init='importance' selects the first mask from |dL/dW| on training batches, but the model "
+                "returned no loss (are labels in the batch?). Use mask_init='magnitude' instead."
             )
         return loss
 

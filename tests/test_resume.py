@@ -81,13 +81,17 @@ def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
     args = training_args(max_steps=9, save_strategy="steps", save_steps=3,
                          restore_callback_states_from_checkpoint=not spill)
     first_model = get_peft_model(tiny_llama(seed=0), config)
-    first = Trainer(model=first_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)])
+    first = Trainer(
+        model=first_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)]
+    )
     first.train()
     checkpoint = os.path.join(args.output_dir, "checkpoint-3")
     assert os.path.isfile(os.path.join(checkpoint, SPILL_FILE)) == spill
 
     resumed_model = get_peft_model(tiny_llama(seed=0), config)
-    resumed = Trainer(model=resumed_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)])
+    resumed = Trainer(
+        model=resumed_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)]
+    )
     resumed.train(resume_from_checkpoint=checkpoint)
 
     lisa_first = _lisa_callback(first, LisaAdapterCallback)

@@ -141,7 +141,8 @@ def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dat
     scores: dict[str, torch.Tensor] = {}
     for i in range(importance_steps):
         reference.zero_grad()
-        batch = {k: torch.stack([dataset[j][k] for j in range(i * batch_size, (i + 1) * batch_size)]) for k in ("input_ids", "labels")}
+        rows = range(i * batch_size, (i + 1) * batch_size)
+        batch = {k: torch.stack([dataset[j][k] for j in rows]) for k in ("input_ids", "labels")}
         reference(**batch).loss.backward()
         for name, module in reference.named_modules():
             if name.endswith(("q_proj", "v_proj")):
@@ -193,8 +194,12 @@ def test_adapter_callback_guard_rails(tiny_llama, token_dataset, training_args):
     with pytest.raises(ValueError, match="mask_update_interval=2 is shorter than the importance window"):
         _train(sparse, training_args(max_steps=1), token_dataset(),
                [LisaAdapterCallback(mask_update_interval=2, importance_steps=4)])
-    for kwargs, field in [({"interval_steps": 0}, "interval_steps"), ({"sampling": "x"}, "sampling"),
-                          ({"activated_layers": -1}, "activated_layers"), ({"importance_steps": 0}, "importance_steps")]:
+    for kwargs, field in [
+        ({"interval_steps": 0}, "interval_steps"),
+        ({"sampling": "x"}, "sampling"),
+        ({"activated_layers": -1}, "activated_layers"),
+        ({"importance_steps": 0}, "importance_steps"),
+    ]:
         with pytest.raises(ValueError, match=field):
             LisaAdapterCallback(**kwargs)
 

@@ -113,7 +113,9 @@ def test_optimizer_holds_state_only_for_current_blocks_after_100_switches(tiny_l
     assert len(scheduler.history) == 101  # the initial draw + 100 switches
     assert len({tuple(b) for _, b in scheduler.history}) > 1
     expected_params = scheduler.trainable_parameters()  # embeddings + lm_head + final norm + the 2 current blocks
-    held = unwrap_optimizer(trainer.optimizer).state
+    optimizer = unwrap_optimizer(trainer.optimizer)  # through accelerate's AcceleratedOptimizer
+    assert type(optimizer) is torch.optim.AdamW and optimizer is not trainer.optimizer
+    held = optimizer.state
     assert {id(p) for p in held} == {id(p) for p in expected_params}
     expected_bytes = _adamw_state_bytes(expected_params)
     assert optimizer_state_bytes(trainer.optimizer) == expected_bytes

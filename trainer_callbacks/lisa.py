@@ -68,7 +68,9 @@ def _ddp_find_unused_parameters(args, model) -> bool:
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        checkpointing = getattr(model, "is_activation_checkpointing", False) or getattr(args, "activation_checkpointing", False)
+        checkpointing = getattr(model, "is_activation_checkpointing", False) or getattr(
+            args, "activation_checkpointing", False
+        )
         return not (checkpointing or getattr(args, "gradient_checkpointing", False))
     return True
 
@@ -91,8 +93,8 @@ def check_lisa_training_setup(args, model=None, freezes_parameters: bool = True,
         return
     if _uses_deepspeed(args):
         raise ValueError(
-            f"{form} LISA changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set when "
-            "its engine is created (DeepSpeed #5639): blocks frozen later would keep moving under Adam and blocks "
+            f"{form} LISA changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
+            "when its engine is created (DeepSpeed #5639): blocks frozen later would keep moving under Adam and blocks "
             "unfrozen later would never be updated. Use FSDP2 instead (TrainingArguments(fsdp='full_shard', "
             "fsdp_config={'version': 2}) or the shipped accelerate FSDP2 config), or DDP. With DeepSpeed, train the "
             "adapter form with lisa_activated_layers=0."
@@ -446,7 +448,8 @@ class LisaAdapterCallback(_LisaCallbackBase):
         >>> from trainer_callbacks import LisaAdapterCallback
         >>> config = hf_lisa.LisaConfig(r=8, sparsity=0.4, lisa_activated_layers=2, lisa_interval_steps=20)
         >>> model = get_peft_model(base_model, config)  # doctest: +SKIP
-        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[LisaAdapterCallback(seed=42)])  # doctest: +SKIP
+        >>> callbacks = [LisaAdapterCallback(seed=42)]
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)  # doctest: +SKIP
         ```
     """
 
@@ -483,7 +486,8 @@ class LisaAdapterCallback(_LisaCallbackBase):
             )
         if mask_update_interval is not None and (not _is_int(mask_update_interval) or mask_update_interval < 0):
             raise ValueError(
-                f"mask_update_interval={mask_update_interval!r} is invalid; allowed: an integer >= 0 (0 never re-selects)."
+                f"mask_update_interval={mask_update_interval!r} is invalid; allowed: an integer >= 0 (0 never "
+                "re-selects)."
             )
         if importance_steps is not None and (not _is_int(importance_steps) or importance_steps < 1):
             raise ValueError(f"importance_steps={importance_steps!r} is invalid; allowed: an integer >= 1.")
