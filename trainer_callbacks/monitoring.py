@@ -1,0 +1,247 @@
+"""Training monitor: gradient norm, per-block-group update/weight ratio, active blocks and optimizer-state bytes.
+
+The source documents (seed 000, §4) ask for TensorBoard scalars of the gradient norm and the size of parameter updates,
+and say that a gradient norm that *stays* below 1e-5 means training is stuck (adjust the learning rate or diversify
+the data). This callback measures those quantities for any method (LISA, LoRA, full) and adds them to the Trainer's
+logs, so every integration named by ``report_to`` (TensorBoard, wandb, trackio, ...) records them:
+
+* ``monitor/grad_norm``: global L2 norm of the gradients before clipping (the Trainer's measurement, else ours) and
+  ``monitor/grad_norm_applied``: the norm after clipping, i.e. of what the optimizer applies, at the logged step;
+* ``monitor/update_ratio/<group>``: ``‖W_after − W_before‖ / ‖W_before‖`` of that step, per group: ``embeddings``,
+  ``blocks_<first>-<last>`` (the blocks split into ``num_block_groups`` contiguous groups) and ``head`` (everything
+  else). Groups without gradients that step (frozen by LISA) report 0;
+* ``monitor/active_blocks``: blocks with at least one trainable parameter, ``monitor/trainable_params``;
+* ``monitor/optimizer_state_bytes``: bytes held by the optimizer's per-parameter state.
+
+Update ratios need a copy of the parameters that receive gradients, taken on logging steps only.
+
+Order matters: integrations write ``logs`` in their own ``on_log``, so this callback must run before them. The Trainer
+puts user callbacks after the integrations; :meth:`TrainingMonitorCallback.attach` moves it in front.
+
+Example:
+    ```py
+    >>> from transformers import Trainer
+    >>> from trainer_callbacks.monitoring import TrainingMonitorCallback
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds)  # doctest: +SKIP
+    >>> TrainingMonitorCallback(plateau_steps=50).attach(trainer)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    ```
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainingMonitorCallback", "GradientPlateauWarning"]
+
+
+class GradientPlateauWarning(UserWarning):
+    """The global gradient norm stayed below the plateau threshold for the configured number of steps."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # FSDP2 shards are DTensors: reduce over the full tensor so every rank sees the same norm
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class TrainingMonitorCallback(TrainerCallback):
+    """Log gradient norm, update/weight ratios, active blocks and optimizer-state bytes; warn on gradient plateaus.
+
+    Args:
+        plateau_grad_norm (`float`, defaults to `1e-5`): gradient norms below this count as a plateau step.
+        plateau_steps (`int`, defaults to `50`): warn (once per plateau) after this many consecutive plateau steps.
+        num_block_groups (`int`, defaults to `4`): the transformer blocks are split into this many contiguous groups
+            for the update/weight ratios.
+        layers_attribute (`str`, *optional*): dotted path of the block list, overriding discovery.
+        update_ratio (`bool`, defaults to `True`): measure update/weight ratios (copies the parameters that receive
+            gradients on logging steps).
+        prefix (`str`, defaults to `"monitor/"`): prefix of the logged names.
+    """
+
+    def __init__(
+        self,
+        plateau_grad_norm: float = 1e-5,
+        plateau_steps: int = 50,
+        num_block_groups: int = 4,
+        layers_attribute: Optional[str] = None,
+        update_ratio: bool = True,
+        prefix: str = "monitor/",
+    ) -> None:
+        if not plateau_grad_norm > 0:
+            raise ValueError(f"plateau_grad_norm={plateau_grad_norm!r} is invalid; allowed: a float > 0.")
+        if not isinstance(plateau_steps, int) or plateau_steps < 1:
+            raise ValueError(f"plateau_steps={plateau_steps!r} is invalid; allowed: an integer >= 1.")
+        if not isinstance(num_block_groups, int) or num_block_groups < 1:
+            raise ValueError(f"num_block_groups={num_block_groups!r} is invalid; allowed: an integer >= 1.")
+        self.plateau_grad_norm = plateau_grad_norm
+        self.plateau_steps = plateau_steps
+        self.num_block_groups = num_block_groups
+        self.layers_attribute = layers_attribute
+        self.update_ratio = update_ratio
+        self.prefix = prefix
+        self.plateau_count = 0
+        self.plateau_warnings = 0
+        self.last_grad_norm: Optional[float] = None
+        self._groups: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
+        self._block_params: list[list[torch.nn.Parameter]] = []
+        self._snapshot: Optional[dict[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = None
+        self._pending: dict[str, float] = {}
+
+    # -- wiring --------------------------------------------------------------------------------------------------------
+    def attach(self, trainer) -> "TrainingMonitorCallback":
+        """Add this callback to ``trainer`` ahead of the reporting integrations, so they all receive its scalars."""
+        from transformers.integrations import INTEGRATION_TO_CALLBACK
+
+        handler = trainer.callback_handler
+        handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
+        integration_types = tuple(INTEGRATION_TO_CALLBACK.values())
+        position = next(
+            (i for i, cb in enumerate(handler.callbacks) if isinstance(cb, integration_types)), len(handler.callbacks)
+        )
+        handler.callbacks.insert(position, self)
+        return self
+
+    # -- setup ---------------------------------------------------------------------------------------------------------
+    def _build_groups(self, model) -> None:
+        from hf_lisa.blocks import find_blocks
+
+        try:
+            blocks = find_blocks(model, self.layers_attribute)
+        except ValueError:
+            blocks = []
+        block_of: dict[int, int] = {}
+        self._block_params = []
+        for index, (_, block) in enumerate(blocks):
+            params = list(block.parameters())
+            self._block_params.append(params)
+            for p in params:
+                block_of[id(p)] = index
+        embedding_ids = {
+            id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
+        }
+        n = len(blocks)
+        k = min(self.num_block_groups, n) if n else 0
+        bounds = [round(i * n / k) for i in range(k + 1)] if k else []
+        names = [f"blocks_{bounds[i]:02d}-{bounds[i + 1] - 1:02d}" for i in range(k)]
+
+        def group_of_block(index: int) -> str:
+            for i in range(k):
+                if bounds[i] <= index < bounds[i + 1]:
+                    return names[i]
+            return names[-1]
+
+        grouped: dict[str, list] = {"embeddings": [], **{name: [] for name in names}, "head": []}
+        seen: set[int] = set()
+        for name, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) in block_of:
+                grouped[group_of_block(block_of[id(p)])].append((name, p))
+            elif id(p) in embedding_ids:
+                grouped["embeddings"].append((name, p))
+            else:
+                grouped["head"].append((name, p))
+        self._groups = [(g, params) for g, params in grouped.items() if params]
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.plateau_count = 0
+        if model is not None:
+            self._build_groups(model)
+
+    # -- per step ------------------------------------------------------------------------------------------------------
+    def _will_log(self, args, state) -> bool:
+        step = state.global_step + 1  # the step being taken; global_step increments after the optimizer step
+        if args.logging_first_step and step == 1:
+            return True
+        every = state.logging_steps or args.logging_steps
+        return bool(every) and step % max(int(every), 1) == 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for _, params in self._groups for _, p in params if p.grad is not None]
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(_local(g).detach().float()) for g in grads])
+            grad_norm = float(torch.linalg.vector_norm(norms))
+        else:
+            grad_norm = 0.0
+        self.last_grad_norm = grad_norm
+        # below the clipping threshold the applied norm is the raw norm, so a plateau is detected exactly
+        self._check_plateau(grad_norm, state.global_step + 1)
+        self._snapshot = None
+        if self._will_log(args, state):
+            self._pending[self.prefix + "grad_norm"] = grad_norm
+            self._pending[self.prefix + "grad_norm_applied"] = grad_norm
+            if self.update_ratio:
+                self._snapshot = {
+                    group: [(p, _local(p.detach()).float().clone()) for _, p in params if p.grad is not None]
+                    for group, params in self._groups
+                }
+
+    def _check_plateau(self, grad_norm: float, step: int) -> None:
+        if math.isfinite(grad_norm) and grad_norm < self.plateau_grad_norm:
+            self.plateau_count += 1
+            if self.plateau_count == self.plateau_steps:
+                self.plateau_warnings += 1
+                message = (
+                    f"The global gradient norm has stayed below {self.plateau_grad_norm:g} for {self.plateau_steps} "
+                    f"steps (now {grad_norm:.3g} at step {step}): training has plateaued, possibly in a local optimum. "
+                    "Adjust the learning rate or make the data more diverse; with LISA, also check that the active "
+                    "blocks receive gradients."
+                )
+                warnings.warn(message, GradientPlateauWarning, stacklevel=2)
+                logger.warning(message)
+        else:
+            self.plateau_count = 0
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._snapshot is None:
+            return
+        for group, params in self._groups:
+            before = self._snapshot.get(group) or []
+            delta_sq = weight_sq = 0.0
+            for p, old in before:
+                new = _local(p.detach()).float()
+                delta_sq += float((new - old).pow(2).sum())
+                weight_sq += float(old.pow(2).sum())
+            ratio = math.sqrt(delta_sq) / math.sqrt(weight_sq) if weight_sq > 0 else 0.0
+            self._pending[f"{self.prefix}update_ratio/{group}"] = ratio
+        self._snapshot = None
+
+    # -- logging -------------------------------------------------------------------------------------------------------
+    def _state_values(self, model, optimizer) -> dict[str, float]:
+        values: dict[str, float] = {}
+        if self._block_params:
+            active = sum(any(p.requires_grad for p in params) for params in self._block_params)
+            values[self.prefix + "active_blocks"] = float(active)
+        if model is not None:
+            seen, trainable = set(), 0
+            for p in model.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    trainable += p.numel()
+            values[self.prefix + "trainable_params"] = float(trainable)
+        if optimizer is not None:
+            from hf_lisa.optim_state import optimizer_state_bytes
+
+            values[self.prefix + "optimizer_state_bytes"] = float(optimizer_state_bytes(optimizer))
+        return values
+
+    def on_log(self, args, state, control, logs=None, model=None, optimizer=None, **kwargs):
+        if logs is None or "loss" not in logs:  # training logs only, not evaluation or the final summary
+            return
+        values = {**self._pending, **self._state_values(model, optimizer)}
+        if isinstance(logs.get("grad_norm"), (int, float)):
+            values[self.prefix + "grad_norm"] = float(logs["grad_norm"])  # before clipping, as the Trainer measured
+        self._pending = {}
+        logs.update(values)
+        # Trainer.log appended a copy of `logs` to log_history just before this event: keep them in step
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
