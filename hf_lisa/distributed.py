@@ -22,8 +22,10 @@ stay engine-agnostic.
   ``grad=None``). Every rank freezes the same parameters (the sampler's seeded generator), so every rank packs the
   same slices. The bytes per step drop from the whole model to E+H+γ blocks; :class:`GradientBytesMeter` counts them.
 * Compression (``fp16``/``bf16``) is applied to the packed active set; PowerSGD runs through PyTorch's own hook on
-  whole buckets. Batched PowerSGD fails on every device (a non-orthogonalisable Q) and is refused; torch's
-  ``bf16_compress_hook`` requires NCCL/XCCL and is refused on gloo when the active-set hook is off.
+  whole buckets, with a fresh Q each step (warm-started Qs go stale or NaN while a block is frozen) and, on gloo, its
+  stages completed inside the hook (they otherwise race with DDP's unused-parameter all-reduce). Batched PowerSGD
+  fails on every device (a non-orthogonalisable Q) and is refused; torch's ``bf16_compress_hook`` requires
+  NCCL/XCCL and is refused on gloo when the active-set hook is off.
 
 **FSDP2** (``fully_shard`` per transformer block, :func:`fully_shard_blocks`): sharding is per parameter, so freezing
 inside a block is fine and frozen blocks do no reduce-scatter at all: the communicated gradient bytes follow the
@@ -48,6 +50,7 @@ sets (LoRA, LISA adapters with ``lisa_activated_layers=0``, sparse-mask re-selec
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -474,7 +477,32 @@ class LisaDDPKwargs(DistributedDataParallelKwargs):
             dtype = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
             self.comm_state = register_lisa_comm_hook(model, compress_dtype=dtype)
             return
+        if name == "powersgd" and _backend() == "gloo":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            state = powerSGD_hook.PowerSGDState(None, **self.comm_state_option)
+            model.register_comm_hook(state, _completed_before_return(powerSGD_hook.powerSGD_hook))
+            return
         super().register_comm_hook(model)
+
+
+def _completed_before_return(hook):
+    """Wrap a multi-stage communication hook so that all its collectives finish inside the hook call.
+
+    PowerSGD issues its second and third all-reduce from future callbacks. On gloo those run in a communication
+    thread, racing with the all-reduce of the used-parameter map that DDP issues from the autograd thread under
+    ``find_unused_parameters=True`` (which LISA needs): the ranks can issue the collectives in different orders and
+    gloo aborts ("Received data size doesn't match expected size"). Waiting here orders them; on CPU nothing
+    overlapped anyway.
+    """
+
+    @functools.wraps(hook)
+    def sequential(state, bucket):
+        fut = hook(state, bucket)
+        fut.wait()
+        return fut
+
+    return sequential
 
 
 _HOOK_NAMES = {

@@ -111,6 +111,20 @@ def run_refusals(output_dir: str) -> dict:
         out["reentrant_checkpointing"] = None
     except UnsupportedEngineError as err:
         out["reentrant_checkpointing"] = str(err)
+    # raw DDP, as in a custom loop: what check_layer_switching_supported says about each wrapping
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_lisa.distributed import check_layer_switching_supported
+
+    checkpointed = tiny_llama()
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    for name, (model, find_unused) in {"raw_ddp_find_unused": (tiny_llama(), True),
+                                       "raw_ddp_no_find_unused": (tiny_llama(), False),
+                                       "raw_ddp_reentrant": (checkpointed, True)}.items():
+        try:
+            out[name] = check_layer_switching_supported(DistributedDataParallel(model, find_unused_parameters=find_unused))
+        except UnsupportedEngineError as err:
+            out[name] = "refused: " + str(err)
     for name, kwargs in {"bf16_torch_hook": dict(comm_hook="bf16", active_set_sync=False),
                          "batched_powersgd": dict(comm_hook="batched_powersgd")}.items():
         try:

@@ -80,6 +80,47 @@ def train(model, optimizer, scheduler, steps, observe: bool = False) -> list[dic
     return records
 
 
+def fsdp1_scenarios() -> dict:
+    """FSDP1 (one unit per block): refused without use_orig_params; with it, switching trains the sampled blocks."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from hf_lisa.distributed import UnsupportedEngineError, check_layer_switching_supported
+    from hf_lisa.scheduler import LayerwiseScheduler
+
+    out: dict = {}
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    flat = FSDP(tiny_llama(), use_orig_params=False, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    try:
+        out["flat_params"] = check_layer_switching_supported(flat)
+    except UnsupportedEngineError as err:
+        out["flat_params"] = "refused: " + str(err)
+    model = FSDP(tiny_llama(), use_orig_params=True, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    out["orig_params"] = check_layer_switching_supported(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = LayerwiseScheduler(model, num_active=GAMMA, interval_steps=INTERVAL, seed=SEED)
+    scheduler.freeze_all_but_active(optimizer)
+
+    def full() -> dict:
+        with FSDP.summon_full_params(model):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+
+    out["steps"] = []
+    for step in range(4):
+        scheduler.maybe_switch(step, optimizer)
+        before = full()
+        model(**batch(step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after = full()
+        changed = sorted({block_of(n) for n in after if block_of(n) is not None and not torch.equal(after[n], before[n])})
+        out["steps"].append({"active": list(scheduler.active), "changed_blocks": changed})
+    return out
+
+
 def main(output_dir: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -152,6 +193,8 @@ def main(output_dir: str) -> None:
         results["bf16_unfixed_error"] = None
     except RuntimeError as err:
         results["bf16_unfixed_error"] = str(err)[:300]
+
+    results["fsdp1"] = fsdp1_scenarios()
 
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -1,0 +1,138 @@
+"""LISA under DDP with a plain Trainer: 2 ranks on CPU (gloo), launched with ``accelerate launch`` and the shipped
+``cpu_2proc.yaml``. One launch (``ddp_worker.py``) runs every scenario; the tests read what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_common import block_of, free_port, launch, tiny_llama
+
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    launch(
+        ["accelerate", "launch", "--config_file", "examples/accelerate_configs/cpu_2proc.yaml",
+         "--main_process_port", str(free_port()), "tests/distributed/ddp_worker.py", str(out)],
+        extra_env={"ACCELERATE_USE_CPU": "1"},
+    )
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, result in enumerate(results):
+        result["weights"] = load_file(str(out / f"full_rank{r}.safetensors"))
+    return results
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    """The same run in one process on the same global batch (2 ranks x 2 examples = 4 per step)."""
+    import ddp_worker
+
+    return ddp_worker.run_full(str(tmp_path_factory.mktemp("reference")), per_device_batch=2 * WORLD, use_cpu=True)
+
+
+def _block_numels(model) -> dict:
+    counts: dict = {}
+    for name, p in model.named_parameters():
+        counts[block_of(name)] = counts.get(block_of(name), 0) + p.numel()
+    return counts
+
+
+def test_launch_gives_two_connected_ddp_ranks_with_unused_parameter_detection(ranks):
+    for r, result in enumerate(ranks):
+        assert result["rank"] == r and result["world_size"] == WORLD
+        for scenario in ("full", "fp16", "bf16", "powersgd", "checkpointing"):
+            assert result[scenario]["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert result[scenario]["num_processes"] == WORLD
+            assert result[scenario]["find_unused_parameters"] is True
+
+
+def test_full_parameter_lisa_ranks_bit_identical_after_three_switches(ranks):
+    history = ranks[0]["full"]["history"]
+    assert [step for step, _ in history] == [0, 2, 4, 6]  # the first draw, then 3 switches
+    assert ranks[1]["full"]["history"] == history  # every rank sampled the same blocks
+    a, b = ranks[0]["weights"], ranks[1]["weights"]
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_full_parameter_lisa_equals_single_process_run_on_the_global_batch(ranks, single_process):
+    assert single_process["history"] == ranks[0]["full"]["history"]
+    reference = single_process["state_dict"]
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    moved = max(float((reference[n] - initial[n]).abs().max()) for n in reference)
+    worst = max(float((ranks[0]["weights"][n] - reference[n]).abs().max()) for n in reference)
+    # Adam turns summation-order noise in tiny gradients into ~1e-5 differences; a missed or wrong gradient
+    # synchronisation moves weights by the learning rate (1e-2), i.e. as far as the training itself
+    assert moved > 1e-2
+    assert worst < 1e-4, f"max |DDP - single process| = {worst}"
+
+
+def test_only_sampled_blocks_changed(ranks):
+    sampled = {b for _, blocks in ranks[0]["full"]["history"] for b in blocks}
+    initial = {n: p.detach() for n, p in tiny_llama().named_parameters()}
+    final = ranks[0]["weights"]
+    changed = {block_of(n) for n in final if not torch.equal(final[n], initial[n])}
+    assert changed - {None} == sampled
+    assert len(sampled) < 4  # some block was never sampled, so "unchanged" is really tested
+    assert None in changed  # embeddings, head and final norm train throughout (E+H+γL)
+
+
+def test_active_set_allreduce_sends_only_active_gradients(ranks):
+    counts = _block_numels(tiny_llama())
+    total = sum(counts.values())
+    active = counts[None] + counts[0]  # E+H+norm plus one block (all blocks have the same size)
+    for result in ranks:
+        steps = result["full"]["bytes"]
+        assert len(steps) == 8
+        assert all(s == {"sent": 4 * active, "full": 4 * total} for s in steps)
+        assert result["full"]["logged_bytes"] == [4 * active] * 8  # ddp/grad_bytes_per_step in the Trainer logs
+        assert all(s["sent"] == 2 * active for s in result["fp16"]["bytes"])
+        assert all(s["sent"] == 2 * active for s in result["bf16"]["bytes"])
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_compression_hooks_train_and_loss_goes_down(ranks, hook):
+    losses = ranks[0][hook]["losses"]
+    assert len(losses) == 8
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
+    assert ranks[1][hook]["history"] == ranks[0][hook]["history"]
+
+
+def test_non_reentrant_checkpointing_trains_with_unused_parameter_detection(ranks):
+    result = ranks[0]["checkpointing"]
+    assert result["find_unused_parameters"] is True and len(result["losses"]) == 4
+    assert ranks[0]["refusals"]["reentrant_checkpointing"] is not None
+    assert "use_reentrant" in ranks[0]["refusals"]["reentrant_checkpointing"]
+
+
+def test_lisa_adapter_masks_identical_on_both_ranks(ranks):
+    a, b = ranks[0]["adapter"], ranks[1]["adapter"]
+    # the ranks trained on different examples; the importance behind each selection is summed over ranks
+    assert a["calibrated"] and b["calibrated"]
+    assert a["mask_updates"] == b["mask_updates"] == 1  # calibration at begin, re-selection at step 3
+    assert a["mask_crc"] == b["mask_crc"]
+    assert a["changed_from_initial"] > 0  # the selection replaced the provisional magnitude masks
+    assert a["history"] == b["history"]
+
+
+def test_raw_ddp_wrappings_are_checked(ranks):
+    refusals = ranks[0]["refusals"]
+    assert refusals["raw_ddp_find_unused"] == "ddp"
+    assert refusals["raw_ddp_no_find_unused"].startswith("refused:")
+    assert "find_unused_parameters=True" in refusals["raw_ddp_no_find_unused"]
+    assert "Expected to have finished reduction" in refusals["raw_ddp_no_find_unused"]
+    assert refusals["raw_ddp_reentrant"].startswith("refused:") and "use_reentrant" in refusals["raw_ddp_reentrant"]
+
+
+def test_refused_hooks_on_gloo(ranks):
+    refusals = ranks[0]["refusals"]
+    assert "gloo" in refusals["bf16_torch_hook"] and "fp16" in refusals["bf16_torch_hook"]
+    assert "batched" in refusals["batched_powersgd"] and "'powersgd'" in refusals["batched_powersgd"]
+
