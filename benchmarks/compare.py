@@ -1,0 +1,677 @@
+"""Benchmark LISA against LoRA, full fine-tuning and the common naive LISA callback, side by side in one run.
+
+Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
+``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
+process so that peak memory is per method. A measuring callback records, per optimizer step: wall time, tokens,
+optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss; eval loss at fixed
+steps; and, on the bundled task, generation exact match at the end. The results go to stdout (markdown) and to
+``benchmarks/results/<date>-<machine>.md`` with a JSON of every raw number and two PNG plots.
+
+Usage::
+
+    python benchmarks/compare.py --preset cpu-small            # what `make bench` runs (~20 min on 2 CPU cores)
+    python benchmarks/compare.py --preset gpu                  # one GPU, bf16 autocast
+    python benchmarks/compare.py --preset cpu-small --methods lisa,lora --steps 10 --model ./my-model --data train.jsonl
+
+``--in-process`` runs every method in this process instead (faster to start, used by the smoke test): peak memory
+is then shared between methods and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python benchmarks/compare.py` puts benchmarks/ first, not the repo root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.presets import DEFAULT_METHODS, METHODS, PRESETS, Preset  # noqa: E402
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+WORKER_FLAG = "--worker"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Process memory
+# ----------------------------------------------------------------------------------------------------------------------
+def current_rss_bytes() -> Optional[int]:
+    """Resident set size of this process now (Linux ``/proc``); ``None`` elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (``ru_maxrss``; KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux ``clear_refs`` 5); False where unsupported.
+
+    After a reset, ``ru_maxrss`` measures the peak from this point on, so loading the model does not count as training.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Worker: one method, one process
+# ----------------------------------------------------------------------------------------------------------------------
+def _state_kind(method: str) -> str:
+    spec = METHODS[method]
+    if spec.naive:
+        return "lisa-naive"
+    return {"full": "full", "lisa": "lisa", "lora": "lora", "lisa-adapter": "lisa-adapter"}[spec.train_method]
+
+
+def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: int, adapter_rank: int, sparse: bool,
+                   interpolation: bool, sparse_delta_bytes: int):
+    """The measuring callback: per-step time, tokens, optimizer state (measured and from shapes), memory."""
+    import torch
+    from transformers import TrainerCallback
+
+    from benchmarks.theory import activation_bytes, adamw_state_bytes, block_kinds_for, expected_state_bytes
+    from hf_lisa.optim_state import optimizer_state_bytes
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    class BenchmarkRecorder(TrainerCallback):
+        """Put first in the callback list: its ``on_step_begin`` runs before LISA's switch, so a switch is timed."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self.evals: list[tuple[int, float]] = []
+            self.train_loss: dict[int, float] = {}
+            self.seen_blocks: set[int] = set()
+            self.tokens = 0
+            self.padded_tokens = 0
+            self.peak_scope = "process"
+            self.rss_train_begin: Optional[int] = None
+            self.peak_rss_train: Optional[int] = None
+            self.cuda_peak: dict[str, int] = {}
+            self.t_train_begin = 0.0
+            self.t_first_step: Optional[float] = None
+            self.t_train_end = 0.0
+            self._t_step = 0.0
+
+        def count_batch(self, inputs) -> None:
+            ids = inputs["input_ids"]
+            mask = inputs.get("attention_mask")
+            self.padded_tokens += int(ids.numel())
+            self.tokens += int(mask.sum()) if mask is not None else int(ids.numel())
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            sync()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            self.peak_scope = "training" if reset_peak_rss() else "process"
+            self.rss_train_begin = current_rss_bytes()
+            self.t_train_begin = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            self._t_step = time.perf_counter()
+            if self.t_first_step is None:
+                self.t_first_step = self._t_step
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            sync()
+            seconds = time.perf_counter() - self._t_step
+            active = schedule()
+            self.seen_blocks.update(active)
+            trainable = [p for p in inventory.all_params if p.requires_grad]
+            measured = optimizer_state_bytes(optimizer)
+            expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks))
+            kinds = block_kinds_for(kind, len(inventory.block_names), active, sparse=sparse,
+                                    interpolation=interpolation)
+            self.steps.append(
+                {
+                    "step": state.global_step,
+                    "seconds": seconds,
+                    "tokens": self.tokens,
+                    "padded_tokens": self.padded_tokens,
+                    "optimizer_state_bytes": measured,
+                    "expected_state_bytes": expected,
+                    "trainable_state_bytes": adamw_state_bytes(trainable),
+                    "trainable_params": sum(p.numel() for p in trainable),
+                    "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
+                    "active_blocks": sorted(active),
+                    "activation_bytes": activation_bytes(
+                        config, self.padded_tokens, kinds, act_bytes=act_bytes, adapter_rank=adapter_rank,
+                        sparse_delta_bytes=sparse_delta_bytes, interpolation=interpolation,
+                    ),
+                    "rss_bytes": current_rss_bytes(),
+                }
+            )
+            self.tokens = self.padded_tokens = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.train_loss[state.global_step] = float(logs["loss"])
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            if metrics and "eval_loss" in metrics:
+                self.evals = [e for e in self.evals if e[0] != state.global_step]
+                self.evals.append((state.global_step, float(metrics["eval_loss"])))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            sync()
+            self.t_train_end = time.perf_counter()
+            self.peak_rss_train = peak_rss_bytes()
+            if device.type == "cuda":
+                self.cuda_peak = {
+                    "max_allocated": int(torch.cuda.max_memory_allocated(device)),
+                    "max_reserved": int(torch.cuda.max_memory_reserved(device)),
+                }
+
+    return BenchmarkRecorder()
+
+
+def _schedule_reader(callbacks: list, inventory) -> Any:
+    """A function returning the indices (in ``inventory.block_names``) of the blocks active right now."""
+    from benchmarks.naive_lisa import NaiveLisaCallback
+
+    for cb in callbacks:
+        if isinstance(cb, NaiveLisaCallback):
+            return lambda: list(cb.active)  # indices of hf_lisa.blocks.find_blocks(model), as the inventory's
+        scheduler_owner = cb if hasattr(cb, "layer_scheduler") else None
+        if scheduler_owner is not None:
+
+            def read(owner=scheduler_owner):
+                scheduler = owner.layer_scheduler
+                if scheduler is None:  # adapter form with γ = 0: every block trains
+                    return list(range(len(inventory.block_names)))
+                return [inventory.block_index(scheduler.block_names[b]) for b in scheduler.active]
+
+            return read
+    return lambda: list(range(len(inventory.block_names)))
+
+
+def _bundled_task_files(n_train: int = 2000) -> tuple[str, str]:
+    """The bundled arithmetic task, written once into the cache that ``hf-lisa train`` uses."""
+    from hf_lisa import demo_task
+    from hf_lisa.models import cache_dir
+
+    directory = cache_dir() / "demo_task" / f"n{n_train}"
+    if not (directory / "validation.jsonl").exists():
+        demo_task.write_demo_dataset(directory, n_train=n_train)
+    return str(directory / "train.jsonl"), str(directory / "validation.jsonl")
+
+
+def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False) -> dict:
+    """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data."""
+    wall_start = time.perf_counter()
+    rss_start = current_rss_bytes()
+    import torch
+    import transformers
+    from transformers import TrainingArguments, set_seed
+
+    import peft
+    from benchmarks.naive_lisa import NaiveLisaCallback
+    from benchmarks.theory import ACTIVATION_FORMULA, parameter_inventory
+    from hf_lisa import data as data_lib
+    from hf_lisa.train import (
+        DataArguments,
+        LisaArguments,
+        ModelArguments,
+        _trainer_class,
+        apply_method,
+        generation_exact_match,
+        generation_rows,
+        load_model_and_tokenizer,
+        resolve_model_path,
+    )
+
+    spec = METHODS[method]
+    transformers.utils.logging.set_verbosity_error()
+    if preset.device == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device_name = preset.device
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False; use --device cpu.")
+    set_seed(preset.seed)
+
+    # -- data: the bundled task unless --data names a file -------------------------------------------------------------
+    bundled = preset.data is None
+    if bundled:
+        train_file, validation_file = _bundled_task_files()
+    else:
+        train_file, validation_file = preset.data, None
+    raw = data_lib.load_raw_datasets(train_file=train_file, validation_file=validation_file, seed=preset.seed)
+    if "validation" not in raw:
+        raise ValueError(f"--data {preset.data!r} gave no validation split; the benchmark needs one for eval loss.")
+    n_train = min(len(raw["train"]), preset.steps * preset.batch_size)
+    raw["train"] = raw["train"].select(range(n_train))
+    generation_source = raw["validation"]
+    raw["validation"] = raw["validation"].select(range(min(preset.eval_samples, len(raw["validation"]))))
+    rss_before_model = current_rss_bytes()
+
+    # -- model ---------------------------------------------------------------------------------------------------------
+    model_args = ModelArguments(model_name_or_path=preset.model, torch_dtype=preset.dtype)
+    path, base_model_id = resolve_model_path(model_args)
+    model, tokenizer = load_model_and_tokenizer(model_args, path)
+    tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
+    lisa_args = LisaArguments(
+        method=spec.train_method,
+        lisa_activated_layers=preset.lisa_activated_layers,
+        lisa_interval_steps=preset.lisa_interval_steps,
+        r=preset.lora_r,
+        lisa_alpha=preset.lora_alpha,
+        target_modules=["all-linear"],
+        importance_steps=preset.importance_steps,
+        **spec.lisa_overrides,
+    )
+    model, callbacks = apply_method(model, lisa_args, seed=preset.seed)
+    if spec.naive:
+        callbacks = callbacks + [
+            NaiveLisaCallback(n_layers=preset.lisa_activated_layers, interval_steps=preset.lisa_interval_steps,
+                              seed=preset.seed)
+        ]
+    inventory = parameter_inventory(model)
+    sparse = bool(spec.lisa_overrides.get("sparsity"))
+    interpolation = bool(spec.lisa_overrides.get("layer_interpolation"))
+    # a sparse adapter materialises M ⊙ (B A) per adapted linear: the block's linear weights again, in fp32
+    sparse_delta_bytes = 0
+    if sparse and inventory.block_base:
+        sparse_delta_bytes = sum(p.numel() * 4 for p in inventory.block_base[0] if p.dim() == 2)
+    device = torch.device(device_name)
+    act_bytes = 2 if (preset.bf16 or preset.dtype in ("bfloat16", "float16")) else 4
+    recorder = _make_recorder(
+        inventory, _state_kind(method), model.config, _schedule_reader(callbacks, inventory), device, act_bytes,
+        preset.lora_r if spec.family == "adapter" else 0, sparse, interpolation, sparse_delta_bytes,
+    )
+
+    base = _trainer_class()
+
+    class MeasuredTrainer(base):
+        """The training entry point's Trainer, counting the tokens of every micro-batch."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            recorder.count_batch(inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
+    args = TrainingArguments(
+        output_dir=os.path.join(work_dir, method),
+        max_steps=preset.steps,
+        per_device_train_batch_size=preset.batch_size,
+        per_device_eval_batch_size=max(preset.batch_size, 8),
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch_fused" if device_name == "cuda" else "adamw_torch",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=preset.eval_every,
+        prediction_loss_only=True,  # no logits kept: a 49k-vocab eval set would dominate peak memory
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=preset.seed,
+        data_seed=preset.seed,
+        use_cpu=device_name == "cpu",
+        bf16=preset.bf16,
+        dataloader_num_workers=0,
+    )
+    trainer = MeasuredTrainer(
+        model=model,
+        args=args,
+        train_dataset=tokenized["train"],
+        eval_dataset=tokenized["validation"],
+        processing_class=tokenizer,
+        data_collator=data_lib.data_collator(tokenizer),
+        callbacks=[recorder] + callbacks,
+    )
+
+    # -- the same generation prompts before (once per run) and after ----------------------------------------------------
+    chat = data_lib._use_chat_template(tokenizer, "auto")
+    gen_rows: list[dict] = []
+    if bundled and preset.exact_match_samples and report.data_format in ("prompt_completion", "messages"):
+        gen_rows = generation_rows(generation_source, report.data_format, DataArguments(), preset.exact_match_samples)
+
+    def exact_match() -> tuple[float, float]:
+        started = time.perf_counter()
+        score, _ = generation_exact_match(
+            trainer.model, tokenizer, gen_rows, chat, max_new_tokens=32, batch_size=16,
+            answer_pattern=r"####\s*(-?\d+)", lenient=True,
+        )
+        return score, time.perf_counter() - started
+
+    result: dict[str, Any] = {}
+    if gen_rows and exact_match_before:
+        result["exact_match_before"], _ = exact_match()
+    trainer.evaluate()  # step 0: every method starts from the same function (adapters start at zero)
+    trainer.train()
+    if not recorder.evals or recorder.evals[-1][0] != trainer.state.global_step:
+        trainer.evaluate()
+    if gen_rows:
+        result["exact_match"], result["exact_match_seconds"] = exact_match()
+
+    steps = recorder.steps
+    eval_steps = {s for s, _ in recorder.evals}
+    steady = [r for r in steps if r["step"] > preset.timing_warmup_steps and r["step"] not in eval_steps]
+    if not steady:  # very short runs (the smoke test): time every step
+        steady = steps
+    seconds = sorted(r["seconds"] for r in steady)
+    median = seconds[len(seconds) // 2] if len(seconds) % 2 else sum(seconds[len(seconds) // 2 - 1 : len(seconds) // 2 + 1]) / 2
+    state_measured = [r["optimizer_state_bytes"] for r in steps]
+    grads = max(r["grad_bytes"] for r in steps)
+    state_floor = max(r["expected_state_bytes"] for r in steps)
+    activations = max(r["activation_bytes"] for r in steps)
+    weights = inventory.weight_bytes
+    cuda = torch.cuda.get_device_name(device) if device_name == "cuda" else None
+    result.update(
+        {
+            "method": method,
+            "description": spec.description,
+            "family": spec.family,
+            "train_method": spec.train_method,
+            "state_kind": _state_kind(method),
+            "learning_rate": lr,
+            "ok": True,
+            "device": device_name,
+            "device_name": cuda or _cpu_name(),
+            "threads": torch.get_num_threads(),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "peft": peft.__version__, "python": platform.python_version()},
+            "model": base_model_id,
+            "data": "bundled arithmetic task" if bundled else preset.data,
+            "data_format": report.data_format,
+            "train_rows": report.kept.get("train"),
+            "eval_rows": report.kept.get("validation"),
+            "inventory": inventory.summary(),
+            "steps": steps,
+            "evals": recorder.evals,
+            "train_loss": {str(k): v for k, v in sorted(recorder.train_loss.items())},
+            "timing": {
+                "median_step_seconds": median,
+                "tokens_per_second": sum(r["tokens"] for r in steady) / max(sum(r["seconds"] for r in steady), 1e-9),
+                "steady_steps": [r["step"] for r in steady],
+                "setup_seconds": (recorder.t_first_step or recorder.t_train_begin) - recorder.t_train_begin,
+                "train_seconds": recorder.t_train_end - recorder.t_train_begin,
+                "wall_seconds": time.perf_counter() - wall_start,
+            },
+            "optimizer_state": {
+                "max_bytes": max(state_measured),
+                "final_bytes": state_measured[-1],
+                "max_abs_diff_from_formula": max(abs(r["optimizer_state_bytes"] - r["expected_state_bytes"])
+                                                 for r in steps),
+                "steps_equal_to_formula": sum(r["optimizer_state_bytes"] == r["expected_state_bytes"] for r in steps),
+            },
+            "params": {
+                "total": inventory.total_params,
+                "trainable_max": max(r["trainable_params"] for r in steps),
+                "trainable_final": steps[-1]["trainable_params"],
+            },
+            "memory": {
+                "peak_scope": recorder.peak_scope,
+                "rss_start_bytes": rss_start,
+                "rss_before_model_bytes": rss_before_model,
+                "rss_train_begin_bytes": recorder.rss_train_begin,
+                "peak_rss_bytes": recorder.peak_rss_train,
+                "cuda": recorder.cuda_peak,
+            },
+            "floor": {
+                "weights_bytes": weights,
+                "grad_bytes": grads,
+                "optimizer_state_bytes": state_floor,
+                "activation_bytes": activations,
+                "total_bytes": weights + grads + state_floor + activations,
+                "activation_bytes_per": "max over steps of the estimate for that step's batch and active blocks",
+                "activation_formula": ACTIVATION_FORMULA,
+                "activation_dtype_bytes": act_bytes,
+            },
+        }
+    )
+    return result
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _worker_main(config_path: str, result_path: str) -> int:
+    with open(config_path) as f:
+        config = json.load(f)
+    preset = Preset(**{**config["preset"], "methods": tuple(config["preset"]["methods"])})
+    try:
+        result = run_method(config["method"], preset, config["work_dir"], config.get("exact_match_before", False))
+    except Exception as err:  # the parent reports the failure in the table and moves on to the next method
+        import traceback
+
+        traceback.print_exc()
+        result = {"method": config["method"], "ok": False, "error": f"{type(err).__name__}: {err}"}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parent: run every method, then report
+# ----------------------------------------------------------------------------------------------------------------------
+def _preset_dict(preset: Preset) -> dict:
+    from dataclasses import asdict
+
+    data = asdict(preset)
+    data["methods"] = list(preset.methods)
+    return data
+
+
+def run_all(preset: Preset, methods: Sequence[str], in_process: bool = False, log=print) -> list[dict]:
+    """Run every method (each in a fresh Python process unless ``in_process``) and return their results in order."""
+    results = []
+    work_dir = tempfile.mkdtemp(prefix="hf-lisa-bench-")
+    try:
+        for index, method in enumerate(methods):
+            started = time.perf_counter()
+            log(f"[bench] {index + 1}/{len(methods)} {method} ...")
+            first = index == 0
+            if in_process:
+                try:
+                    result = run_method(method, preset, work_dir, exact_match_before=first)
+                except Exception as err:
+                    import traceback
+
+                    traceback.print_exc()
+                    result = {"method": method, "ok": False, "error": f"{type(err).__name__}: {err}"}
+            else:
+                result = _run_subprocess(method, preset, work_dir, exact_match_before=first)
+            result["in_process"] = in_process
+            results.append(result)
+            if result.get("ok"):
+                timing = result["timing"]
+                log(f"[bench] {method}: {timing['median_step_seconds']:.3f} s/step, "
+                    f"peak {_gib(_peak_bytes(result)):.2f} GiB, optimizer state "
+                    f"{result['optimizer_state']['max_bytes'] / 2**20:.1f} MiB, final eval loss "
+                    f"{result['evals'][-1][1]:.4f} ({time.perf_counter() - started:.0f} s)")
+            else:
+                log(f"[bench] {method} FAILED: {result.get('error')}")
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return results
+
+
+def _run_subprocess(method: str, preset: Preset, work_dir: str, exact_match_before: bool) -> dict:
+    config_path = os.path.join(work_dir, f"{method}.config.json")
+    result_path = os.path.join(work_dir, f"{method}.result.json")
+    with open(config_path, "w") as f:
+        json.dump({"method": method, "preset": _preset_dict(preset), "work_dir": work_dir,
+                   "exact_match_before": exact_match_before}, f)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the worker's own output goes to our stderr: stdout carries only the table
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", WORKER_FLAG, config_path, result_path],
+        cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr,
+    )
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    return {"method": method, "ok": False, "error": f"worker exited with code {proc.returncode} and wrote no result"}
+
+
+def _gib(n: Optional[float]) -> float:
+    return float("nan") if n is None else n / 2**30
+
+
+def _peak_bytes(result: dict) -> Optional[int]:
+    memory = result["memory"]
+    return memory["cuda"].get("max_allocated") if memory.get("cuda") else memory.get("peak_rss_bytes")
+
+
+def machine_slug(results: list[dict]) -> str:
+    """``cpu2`` (device and cores) or e.g. ``nvidia-h200``, for the results file name."""
+    ok = [r for r in results if r.get("ok")]
+    if ok and ok[0]["device"] == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", ok[0]["device_name"].lower()).strip("-")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu{cores}"
+
+
+def write_outputs(report: dict, output_dir: Path, stem: str) -> dict[str, str]:
+    """Write ``<stem>.md``, ``<stem>.json`` and the two PNG plots; return their paths."""
+    from benchmarks.report import plot_eval_loss, plot_optimizer_state, render_markdown
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "markdown": str(output_dir / f"{stem}.md"),
+        "json": str(output_dir / f"{stem}.json"),
+        "eval_loss_plot": str(output_dir / f"{stem}-eval-loss.png"),
+        "optimizer_state_plot": str(output_dir / f"{stem}-optimizer-state.png"),
+    }
+    report["files"] = {k: os.path.basename(v) for k, v in paths.items()}
+    plot_eval_loss(report, paths["eval_loss_plot"])
+    plot_optimizer_state(report, paths["optimizer_state_plot"])
+    with open(paths["markdown"], "w") as f:
+        f.write(render_markdown(report))
+    with open(paths["json"], "w") as f:
+        json.dump(report, f, indent=1)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/compare.py",
+        description="Benchmark LISA against LoRA, full fine-tuning and the naive LISA callback, side by side.",
+    )
+    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="Base settings (default: cpu-small).")
+    parser.add_argument("--methods", help=f"Comma-separated subset of: {', '.join(DEFAULT_METHODS)}.")
+    parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
+                        "default: the bundled arithmetic task. 5%% is held out for eval loss.")
+    parser.add_argument("--steps", type=int, help="Optimizer steps per method.")
+    parser.add_argument("--seq-len", type=int, dest="seq_len", help="max_seq_length of tokenisation.")
+    parser.add_argument("--batch-size", type=int, dest="batch_size", help="Sequences per optimizer step.")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="Where to train.")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="dtype of the loaded weights.")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast.")
+    parser.add_argument("--eval-every", type=int, dest="eval_every", help="Eval-loss interval in steps.")
+    parser.add_argument("--eval-samples", type=int, dest="eval_samples", help="Rows of the fixed eval set.")
+    parser.add_argument("--exact-match-samples", type=int, dest="exact_match_samples",
+                        help="Prompts scored by generation at the end (bundled task; 0 skips).")
+    parser.add_argument("--timing-warmup-steps", type=int, dest="timing_warmup_steps",
+                        help="First steps left out of the median step time.")
+    parser.add_argument("--lr-full-parameter", type=float, dest="lr_full_parameter",
+                        help="Learning rate of full, lisa, lisa-naive.")
+    parser.add_argument("--lr-adapter", type=float, dest="lr_adapter", help="Learning rate of lora and lisa-adapter*.")
+    parser.add_argument("--lisa-activated-layers", type=int, dest="lisa_activated_layers", help="γ.")
+    parser.add_argument("--lisa-interval-steps", type=int, dest="lisa_interval_steps", help="K.")
+    parser.add_argument("--lora-r", type=int, dest="lora_r", help="Adapter rank (lora and lisa-adapter*).")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--in-process", action="store_true",
+                        help="Run every method in this process (fast start; peak memory is then shared).")
+    parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")
+    parser.add_argument("--name", help="File stem of the results (default: <date>-<machine>).")
+    return parser
+
+
+def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
+    preset = PRESETS[ns.preset]
+    overrides = {k: getattr(ns, k) for k in (
+        "model", "data", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
+        "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter", "lisa_activated_layers",
+        "lisa_interval_steps", "lora_r", "seed")}
+    preset = preset.updated(**overrides)
+    if ns.methods:
+        methods = [m.strip() for m in ns.methods.split(",") if m.strip()]
+    else:
+        methods = list(preset.methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}.")
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
+                 "lisa_interval_steps", "lora_r"):
+        if getattr(preset, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(preset, name)} is invalid; allowed: an integer >= 1.")
+    return preset, methods
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run the benchmark and return the report (also written to ``--output-dir``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(argv)
+    preset, methods = resolve_preset(ns)
+    started = _dt.datetime.now()
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    results = run_all(preset, methods, in_process=ns.in_process, log=log)
+    stem = ns.name or f"{started:%Y-%m-%d}-{machine_slug(results)}"
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": "python benchmarks/compare.py " + " ".join(argv),
+        "preset": _preset_dict(preset),
+        "methods": methods,
+        "machine": {"slug": machine_slug(results), "hostname": platform.node(), "cpu": _cpu_name(),
+                    "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                    "platform": platform.platform()},
+        "in_process": ns.in_process,
+        "results": results,
+        "total_seconds": (_dt.datetime.now() - started).total_seconds(),
+    }
+    paths = write_outputs(report, Path(ns.output_dir), stem)
+    from benchmarks.report import render_markdown
+
+    print(render_markdown(report))
+    log(f"[bench] wrote {paths['markdown']}, {paths['json']} and two plots in {report['total_seconds']:.0f} s")
+    report["paths"] = paths
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == WORKER_FLAG:
+        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    report = main()
+    sys.exit(0 if all(r.get("ok") for r in report["results"]) else 1)

@@ -1,0 +1,138 @@
+"""Benchmark presets and the methods `compare.py` runs.
+
+A preset fixes everything that must be equal across methods (model, data, seed, batch, steps, evaluation) plus the
+few per-family knobs (learning rate, LISA's γ and K). Command-line options override any field.
+
+* ``cpu-small``: the embedded SmolLM2-135M-Instruct in fp32 on the bundled arithmetic task, sized to finish all seven
+  methods in about 20 minutes on 2 CPU cores. K is 8 instead of the paper's 20 so that several block switches
+  happen in 40 steps; the table says so.
+* ``gpu``: the same model and task with bf16 autocast (fp32 master weights), a larger batch, 200 steps and the
+  paper's K = 20: meant for a one-shot run on a single GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One benchmarked method: how it maps onto ``hf_lisa.train``'s ``LisaArguments``.
+
+    Args:
+        name: the name used by ``--methods`` and in the tables.
+        train_method: ``LisaArguments.method`` (``lisa-naive`` trains as ``full`` plus the naive callback).
+        family: ``"full-parameter"`` or ``"adapter"``; selects the learning rate.
+        lisa_overrides: extra ``LisaArguments`` fields (besides γ, K, r and alpha, which come from the preset).
+        naive: add ``benchmarks.naive_lisa.NaiveLisaCallback`` (requires_grad toggling only).
+        description: one line for the table.
+    """
+
+    name: str
+    train_method: str
+    family: str
+    lisa_overrides: dict = field(default_factory=dict)
+    naive: bool = False
+    description: str = ""
+
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("full", "full", "full-parameter", description="every parameter trains"),
+        MethodSpec("lora", "lora", "adapter", description="PEFT LoRA on all linear layers"),
+        MethodSpec("lisa", "lisa", "full-parameter", description="hf-lisa full-parameter LISA, E+H+γL, state dropped"),
+        MethodSpec(
+            "lisa-naive", "full", "full-parameter", naive=True,
+            description="LMFlow/axolotl callback: requires_grad toggling only, state kept",
+        ),
+        MethodSpec("lisa-adapter", "lisa-adapter", "adapter", description="LISA adapters (dense), γ blocks sampled"),
+        MethodSpec(
+            "lisa-adapter-sparse", "lisa-adapter", "adapter",
+            lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2"},
+            description="LISA adapters, 40% 2x2 block sparsity",
+        ),
+        MethodSpec(
+            "lisa-adapter-interp", "lisa-adapter", "adapter", lisa_overrides={"layer_interpolation": True},
+            description="LISA adapters (dense) + layer interpolation",
+        ),
+    )
+}
+
+#: the order of the tables; ratios are taken against ``lora`` and ``full``
+DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Settings shared by every method of one benchmark run.
+
+    Args:
+        model: model path or Hub id; ``None`` is the embedded SmolLM2-135M-Instruct.
+        data: training file (any format ``hf_lisa.train`` accepts); ``None`` is the bundled arithmetic task.
+        steps: optimizer steps per method.
+        batch_size: sequences per optimizer step (no gradient accumulation).
+        seq_len: ``max_seq_length`` of tokenisation; batches are padded to their longest row, as in ``hf-lisa train``.
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        dtype: dtype of the loaded weights (``"float32"`` or ``"bfloat16"``).
+        bf16: bf16 autocast (mixed precision, fp32 master weights when ``dtype`` is float32).
+        eval_every: evaluate the eval loss every this many steps (and at step 0 and at the end).
+        eval_samples: validation rows in the fixed eval set.
+        exact_match_samples: validation prompts scored by greedy generation at the end (bundled task only; 0 skips).
+        timing_warmup_steps: first steps left out of the median step time.
+        lr_full_parameter: learning rate of full, lisa and lisa-naive.
+        lr_adapter: learning rate of lora and the lisa-adapter variants.
+        lisa_activated_layers: γ.
+        lisa_interval_steps: K.
+        lora_r: rank of LoRA and of the LISA adapters.
+        lora_alpha: scaling numerator (scale = alpha / r).
+        importance_steps: calibration batches of the sparse adapter's importance-based first mask.
+        seed: seed of everything (model wrapping, data order, LISA's sampler).
+        methods: the methods run by default.
+    """
+
+    name: str
+    model: Optional[str] = None
+    data: Optional[str] = None
+    steps: int = 40
+    batch_size: int = 4
+    seq_len: int = 128
+    device: str = "auto"
+    dtype: str = "float32"
+    bf16: bool = False
+    eval_every: int = 10
+    eval_samples: int = 32
+    exact_match_samples: int = 32
+    timing_warmup_steps: int = 3
+    lr_full_parameter: float = 1e-4
+    lr_adapter: float = 5e-4
+    lisa_activated_layers: int = 2
+    lisa_interval_steps: int = 20
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    importance_steps: int = 8
+    seed: int = 42
+    methods: tuple[str, ...] = DEFAULT_METHODS
+
+    def updated(self, **overrides: Any) -> "Preset":
+        """A copy with the non-``None`` ``overrides`` applied; unknown names raise ``TypeError``."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"Unknown preset field(s) {unknown}; allowed: {sorted(known)}.")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+PRESETS: dict[str, Preset] = {
+    # 2 CPU cores: ~70-token rows in batches of 4 take 1-3 s per step; K = 8 gives 5 active sets in 40 steps
+    "cpu-small": Preset(
+        name="cpu-small", steps=40, batch_size=4, seq_len=128, device="cpu", eval_every=10, eval_samples=32,
+        exact_match_samples=32, timing_warmup_steps=3, lisa_interval_steps=8, importance_steps=4,
+    ),
+    # one GPU: the paper's K = 20 over 200 steps (10 switches), bf16 autocast
+    "gpu": Preset(
+        name="gpu", steps=200, batch_size=16, seq_len=256, device="cuda", bf16=True, eval_every=20, eval_samples=64,
+        exact_match_samples=64, timing_warmup_steps=10, lisa_interval_steps=20, importance_steps=8,
+    ),
+}

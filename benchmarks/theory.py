@@ -1,0 +1,259 @@
+"""Theoretical floors from parameter shapes: what each method has to hold, before any implementation overhead.
+
+Everything here is computed from the model's parameters and config, never from a measurement, so that a benchmark
+can put a measured number beside the number physics asks for:
+
+* **optimizer state** of ``torch.optim.AdamW``: two moments in the parameter's dtype plus a 4-byte ``step`` tensor
+  per parameter tensor, for the parameters that hold state. For LISA that is E+H (plus the final norm) and γ blocks;
+  for the naive callback it is E+H plus every block ever activated; for full fine-tuning every parameter;
+* **memory floor** = weights + gradients of the trainable set + optimizer state + an activation estimate
+  (:func:`activation_bytes`, formula stated in its docstring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+ADAPTER_MARKERS = ("lora_", "lisa_")
+#: AdamW's per-tensor ``step`` counter: a float32 scalar tensor (fused or not)
+ADAMW_STEP_BYTES = 4
+
+
+def adamw_state_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``torch.optim.AdamW`` state for ``params``: ``Σ 2 · numel · element_size + 4``.
+
+    Example:
+        >>> import torch
+        >>> adamw_state_bytes([torch.zeros(10), torch.zeros(2, 3)])
+        152
+    """
+    return sum(2 * p.numel() * p.element_size() + ADAMW_STEP_BYTES for p in params)
+
+
+def _bytes(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _numel(params: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Adapter parameters are named ``lora_*`` (PEFT LoRA) or ``lisa_*`` (hf-lisa) somewhere in their path."""
+    return any(marker in part for part in name.split(".") for marker in ADAPTER_MARKERS)
+
+
+@dataclass
+class ParameterInventory:
+    """The model's unique parameters (tied weights once), split by where they live.
+
+    Attributes:
+        all_params: every unique parameter.
+        block_names: qualified names of the transformer blocks, in order (``hf_lisa.blocks.find_blocks``).
+        block_base: per block, its base-model parameters.
+        block_adapter: per block, its adapter parameters (``lora_*`` / ``lisa_*``).
+        outside_base: base parameters outside every block: E + H + final norm for a decoder LM (tied E/H once).
+        outside_adapter: adapter parameters outside the blocks (layer-interpolation scalars, ``modules_to_save``).
+    """
+
+    all_params: list[nn.Parameter]
+    block_names: list[str]
+    block_base: list[list[nn.Parameter]]
+    block_adapter: list[list[nn.Parameter]]
+    outside_base: list[nn.Parameter]
+    outside_adapter: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def total_params(self) -> int:
+        return _numel(self.all_params)
+
+    @property
+    def weight_bytes(self) -> int:
+        return _bytes(self.all_params)
+
+    def block_index(self, name: str) -> int:
+        return self.block_names.index(name)
+
+    def summary(self) -> dict:
+        """Parameter counts and AdamW state bytes of each part, for the results JSON."""
+        first_base = self.block_base[0] if self.block_base else []
+        first_adapter = self.block_adapter[0] if self.block_adapter else []
+        return {
+            "total_params": self.total_params,
+            "weight_bytes": self.weight_bytes,
+            "num_blocks": len(self.block_names),
+            "outside_base_params": _numel(self.outside_base),
+            "outside_base_state_bytes": adamw_state_bytes(self.outside_base),
+            "block_params": _numel(first_base),
+            "block_state_bytes": adamw_state_bytes(first_base),
+            "blocks_uniform": len({adamw_state_bytes(b) for b in self.block_base}) <= 1,
+            "block_adapter_params": _numel(first_adapter),
+            "block_adapter_state_bytes": adamw_state_bytes(first_adapter),
+            "outside_adapter_params": _numel(self.outside_adapter),
+            "outside_adapter_state_bytes": adamw_state_bytes(self.outside_adapter),
+            "adapter_params": _numel(self.outside_adapter) + sum(_numel(b) for b in self.block_adapter),
+        }
+
+
+def parameter_inventory(model: nn.Module, layers_attribute: Optional[str] = None) -> ParameterInventory:
+    """Split the unique parameters of ``model`` (plain, PEFT-wrapped or DDP-wrapped) by block and by kind."""
+    from hf_lisa.blocks import find_blocks
+
+    blocks = find_blocks(model, layers_attribute)
+    owner: dict[int, int] = {}
+    for index, (_, block) in enumerate(blocks):
+        for p in block.parameters():
+            owner.setdefault(id(p), index)
+    seen: set[int] = set()
+    all_params: list[nn.Parameter] = []
+    block_base: list[list[nn.Parameter]] = [[] for _ in blocks]
+    block_adapter: list[list[nn.Parameter]] = [[] for _ in blocks]
+    outside_base: list[nn.Parameter] = []
+    outside_adapter: list[nn.Parameter] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        all_params.append(p)
+        adapter = is_adapter_parameter(name)
+        if id(p) in owner:
+            (block_adapter if adapter else block_base)[owner[id(p)]].append(p)
+        else:
+            (outside_adapter if adapter else outside_base).append(p)
+    return ParameterInventory(all_params, [n for n, _ in blocks], block_base, block_adapter, outside_base,
+                              outside_adapter)
+
+
+def expected_state_bytes(
+    inventory: ParameterInventory, kind: str, active: Sequence[int] = (), seen: Sequence[int] = ()
+) -> int:
+    """AdamW state bytes each method must hold after an optimizer step, from shapes alone.
+
+    Args:
+        inventory: the model's :class:`ParameterInventory`.
+        kind: ``"full"`` (every parameter), ``"lisa"`` (E+H+norm + the ``active`` blocks: E+H+γL),
+            ``"lisa-naive"`` (E+H+norm + every block in ``seen``: nothing is ever dropped), ``"lora"`` (every
+            adapter parameter) or ``"lisa-adapter"`` (adapter parameters outside the blocks + the ``active`` blocks'
+            adapters).
+        active: indices of the blocks active in this step.
+        seen: indices of every block active so far (``"lisa-naive"``).
+    """
+    if kind == "full":
+        return adamw_state_bytes(inventory.all_params)
+    if kind == "lisa":
+        return adamw_state_bytes(inventory.outside_base) + sum(
+            adamw_state_bytes(inventory.block_base[b]) for b in set(active)
+        )
+    if kind == "lisa-naive":
+        return adamw_state_bytes(inventory.outside_base) + sum(
+            adamw_state_bytes(inventory.block_base[b]) for b in set(seen)
+        )
+    if kind == "lora":
+        return adamw_state_bytes(inventory.outside_adapter) + sum(
+            adamw_state_bytes(b) for b in inventory.block_adapter
+        )
+    if kind == "lisa-adapter":
+        return adamw_state_bytes(inventory.outside_adapter) + sum(
+            adamw_state_bytes(inventory.block_adapter[b]) for b in set(active)
+        )
+    raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lora, lisa-adapter.")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations
+# ----------------------------------------------------------------------------------------------------------------------
+ACTIVATION_FORMULA = (
+    "per token, in the activation dtype: a block whose weights train saves 4h + 2q + 2kv + 4i values (norm inputs and "
+    "outputs, rotated q/k, v, attention output, gate, up, silu(gate), gate*up); a block whose weights are frozen "
+    "saves 2h + 2q + 2kv + 3i (the linear inputs are only needed for weight gradients); a block whose adapters train "
+    "saves the frozen set plus the adapted linears' inputs (2h + i) and r values per adapted linear; a sparse adapter "
+    "also keeps its materialised M*(BA) weight; layer interpolation keeps h more per block; blocks below the lowest "
+    "block with a trainable parameter save nothing when nothing below them trains. Plus 2h for the final norm and 2V "
+    "fp32 values (logits and log-softmax). Flash-style attention (no T x T matrix) assumed; h, q = heads*head_dim, "
+    "kv = kv_heads*head_dim, i, V from the model config."
+)
+
+
+def _config_dims(config) -> dict[str, int]:
+    h = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "d_model")
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    return {"h": h, "q": heads * head_dim, "kv": kv_heads * head_dim, "i": i, "V": config.vocab_size}
+
+
+def activation_bytes(
+    config,
+    tokens: int,
+    block_kinds: Sequence[str],
+    act_bytes: int = 4,
+    adapter_rank: int = 0,
+    adapted_linears: int = 7,
+    sparse_delta_bytes: int = 0,
+    interpolation: bool = False,
+) -> int:
+    """Estimate the bytes of saved activations of one forward pass over ``tokens`` tokens (formula:
+    :data:`ACTIVATION_FORMULA`).
+
+    Args:
+        config: the model config (hidden_size, intermediate_size, heads, kv heads, vocab size).
+        tokens: tokens in the batch, padding included.
+        block_kinds: per block, ``"train"`` (weights train), ``"frozen"``, ``"adapter"`` (adapters train),
+            ``"adapter-sparse"`` (a sparse adapter trains) or ``"none"`` (no backward reaches it).
+        act_bytes: bytes per activation value (4 in fp32, 2 under bf16 autocast).
+        adapter_rank: r of the adapters.
+        adapted_linears: adapted linear layers per block (7 for a llama block with all-linear targets).
+        sparse_delta_bytes: bytes of one block's materialised sparse ``M ⊙ (B A)`` weights (``"adapter-sparse"``).
+        interpolation: layer interpolation on (h more per block).
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+        ...                      vocab_size=32)
+        >>> activation_bytes(config, tokens=1, block_kinds=["train"], act_bytes=1)  # 4*8 + 2*8 + 2*4 + 4*16, + 2*8 + 2*32*4
+        392
+    """
+    d = _config_dims(config)
+    h, q, kv, i, vocab = d["h"], d["q"], d["kv"], d["i"], d["V"]
+    frozen = 2 * h + 2 * q + 2 * kv + 3 * i
+    per_kind = {
+        "train": 4 * h + 2 * q + 2 * kv + 4 * i,
+        "frozen": frozen,
+        "adapter": frozen + 2 * h + i + adapter_rank * adapted_linears,
+        "adapter-sparse": frozen + 2 * h + i + adapter_rank * adapted_linears,
+        "none": 0,
+    }
+    values = 0
+    extra = 0
+    for kind in block_kinds:
+        if kind not in per_kind:
+            raise ValueError(f"block kind {kind!r} is invalid; allowed: {sorted(per_kind)}.")
+        values += per_kind[kind] + (h if interpolation and kind != "none" else 0)
+        if kind == "adapter-sparse":
+            extra += sparse_delta_bytes
+    values += 2 * h
+    return tokens * (values * act_bytes + 2 * vocab * 4) + extra
+
+
+def block_kinds_for(kind: str, num_blocks: int, active: Sequence[int], sparse: bool = False,
+                    interpolation: bool = False, embeddings_train: bool = True) -> list[str]:
+    """Per-block activation kinds of a method in a step with ``active`` blocks (see :func:`activation_bytes`)."""
+    active = set(active)
+    if kind == "full":
+        return ["train"] * num_blocks
+    if kind == "lora":
+        return ["adapter-sparse" if sparse else "adapter"] * num_blocks
+    if kind in ("lisa", "lisa-naive"):
+        kinds = ["train" if b in active else "frozen" for b in range(num_blocks)]
+        lowest = 0 if embeddings_train else min(active, default=num_blocks)
+    elif kind == "lisa-adapter":
+        kinds = [("adapter-sparse" if sparse else "adapter") if b in active else "frozen" for b in range(num_blocks)]
+        lowest = 0 if interpolation else min(active, default=num_blocks)
+    else:
+        raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lora, lisa-adapter.")
+    return ["none" if b < lowest else k for b, k in enumerate(kinds)]
