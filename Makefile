@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (~20 min on 2 CPU cores); see benchmarks/README.md
+bench: $(STAMP)
+	$(PY) benchmarks/compare.py --preset cpu-small
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
