@@ -117,6 +117,7 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
             self.t_first_step: Optional[float] = None
             self.t_train_end = 0.0
             self._t_step = 0.0
+            self._cpu_step = 0.0
 
         def count_batch(self, inputs) -> None:
             ids = inputs["input_ids"]
@@ -135,12 +136,14 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
             self._t_step = time.perf_counter()
+            self._cpu_step = time.process_time()
             if self.t_first_step is None:
                 self.t_first_step = self._t_step
 
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
             sync()
             seconds = time.perf_counter() - self._t_step
+            cpu_seconds = time.process_time() - self._cpu_step
             active = schedule()
             self.seen_blocks.update(active)
             trainable = [p for p in inventory.all_params if p.requires_grad]
@@ -152,6 +155,7 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
                 {
                     "step": state.global_step,
                     "seconds": seconds,
+                    "cpu_seconds": cpu_seconds,
                     "tokens": self.tokens,
                     "padded_tokens": self.padded_tokens,
                     "optimizer_state_bytes": measured,
@@ -378,8 +382,6 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     steady = [r for r in steps if r["step"] > preset.timing_warmup_steps and r["step"] not in eval_steps]
     if not steady:  # very short runs (the smoke test): time every step
         steady = steps
-    seconds = sorted(r["seconds"] for r in steady)
-    median = seconds[len(seconds) // 2] if len(seconds) % 2 else sum(seconds[len(seconds) // 2 - 1 : len(seconds) // 2 + 1]) / 2
     state_measured = [r["optimizer_state_bytes"] for r in steps]
     grads = max(r["grad_bytes"] for r in steps)
     state_floor = max(r["expected_state_bytes"] for r in steps)
@@ -410,7 +412,9 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "evals": recorder.evals,
             "train_loss": {str(k): v for k, v in sorted(recorder.train_loss.items())},
             "timing": {
-                "median_step_seconds": median,
+                "median_step_seconds": _median([r["seconds"] for r in steady]),
+                # CPU time of all the process's threads: less sensitive than wall time to other load on a shared host
+                "median_step_cpu_seconds": _median([r["cpu_seconds"] for r in steady]),
                 "tokens_per_second": sum(r["tokens"] for r in steady) / max(sum(r["seconds"] for r in steady), 1e-9),
                 "steady_steps": [r["step"] for r in steady],
                 "setup_seconds": (recorder.t_first_step or recorder.t_train_begin) - recorder.t_train_begin,
@@ -450,6 +454,12 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         }
     )
     return result
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _cpu_name() -> str:

@@ -4,8 +4,8 @@ A preset fixes everything that must be equal across methods (model, data, seed, 
 few per-family knobs (learning rate, LISA's γ and K). Command-line options override any field.
 
 * ``cpu-small``: the embedded SmolLM2-135M-Instruct in fp32 on the bundled arithmetic task, sized to finish all seven
-  methods in about 20 minutes on 2 CPU cores. K is 8 instead of the paper's 20 so that several block switches
-  happen in 40 steps; the table says so.
+  methods in about 20 minutes on 2 CPU cores. K is 5 instead of the paper's 20 so that eight active sets occur
+  in 40 steps; the table says so.
 * ``gpu``: the same model and task with bf16 autocast (fp32 master weights), a larger batch, 200 steps and the
   paper's K = 20: meant for a one-shot run on a single GPU.
 """
@@ -125,10 +125,10 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    # 2 CPU cores: ~70-token rows in batches of 4 take 1-3 s per step; K = 8 gives 5 active sets in 40 steps
+    # 2 CPU cores: ~85-token rows in batches of 4 take 2-3 s per step; K = 5 gives 8 active sets in 40 steps
     "cpu-small": Preset(
         name="cpu-small", steps=40, batch_size=4, seq_len=128, device="cpu", eval_every=10, eval_samples=32,
-        exact_match_samples=32, timing_warmup_steps=3, lisa_interval_steps=8, importance_steps=4,
+        exact_match_samples=32, timing_warmup_steps=3, lisa_interval_steps=5, importance_steps=4,
     ),
     # one GPU: the paper's K = 20 over 200 steps (10 switches), bf16 autocast
     "gpu": Preset(

@@ -43,6 +43,7 @@ def metrics(result: dict) -> dict[str, Optional[float]]:
     """The quantities compared as ratios."""
     return {
         "step_time": result["timing"]["median_step_seconds"],
+        "cpu_time": result["timing"].get("median_step_cpu_seconds"),
         "peak_memory": peak_memory_bytes(result),
         "optimizer_state": result["optimizer_state"]["max_bytes"],
         "eval_loss": final_eval_loss(result),
@@ -146,7 +147,7 @@ def render_markdown(report: dict) -> str:
 
     # -- main table ------------------------------------------------------------------------------------------------------
     last_eval_step = first.get("evals", [[None]])[-1][0] if first else None
-    header = ["method", "trainable params", "s/step (median)", "tokens/s", mem_label, "floor (GiB)",
+    header = ["method", "trainable params", "s/step (median)", "CPU s/step", "tokens/s", mem_label, "floor (GiB)",
               "measured / floor", "opt. state max (MiB)", "opt. state final (MiB)", f"eval loss @{last_eval_step}",
               "exact match"]
     rows = []
@@ -160,6 +161,7 @@ def render_markdown(report: dict) -> str:
             f"`{r['method']}`",
             f"{_count(trainable)} ({100 * share:.1f}%)",
             _f(r["timing"]["median_step_seconds"], 3),
+            _f(r["timing"].get("median_step_cpu_seconds"), 3),
             f"{r['timing']['tokens_per_second']:.0f}",
             _gib(peak_memory_bytes(r)),
             _gib(r["floor"]["total_bytes"]),
@@ -176,7 +178,8 @@ def render_markdown(report: dict) -> str:
         "s/step: median over steady-state steps (the first "
         f"{preset['timing_warmup_steps']} steps and steps followed by an evaluation left out), from `on_step_begin` "
         "to `on_step_end`: forward, backward, optimizer step and any block switch. tokens/s: non-padding tokens over "
-        "the same steps.",
+        "the same steps. CPU s/step: CPU time of all the process's threads over the same steps (median), "
+        "which other load on a shared machine disturbs less than wall time.",
         ("peak CUDA alloc.: `torch.cuda.max_memory_allocated` during training." if on_gpu else
          "peak RSS: the process's peak resident memory during training (the kernel's peak mark is reset when "
          "training starts, so loading does not count); each method runs in its own process."),
@@ -194,8 +197,10 @@ def render_markdown(report: dict) -> str:
     if "lora" in by_name or "full" in by_name:
         header = ["method"]
         refs = [ref for ref in ("lora", "full") if ref in by_name]
-        names = {"step_time": "step time", "peak_memory": "peak memory", "optimizer_state": "optimizer state",
-                 "eval_loss": "eval loss"}
+        names = {"step_time": "step time", "cpu_time": "CPU time", "peak_memory": "peak memory",
+                 "optimizer_state": "optimizer state", "eval_loss": "eval loss"}
+        if on_gpu:  # host CPU time says little about a GPU step
+            del names["cpu_time"]
         for key, label in names.items():
             header += [f"{label} vs {ref}" for ref in refs]
         rows = []
@@ -205,7 +210,7 @@ def render_markdown(report: dict) -> str:
             for key in names:
                 row += [_x(ratio(m[key], metrics(by_name[ref])[key])) for ref in refs]
             rows.append(row)
-        lines += ["## Ratios (lower is better for all four)", ""] + _table(header, rows) + [""]
+        lines += ["## Ratios (lower is better everywhere)", ""] + _table(header, rows) + [""]
 
     # -- eval loss at equal steps --------------------------------------------------------------------------------------
     eval_steps = sorted({s for r in ok for s, _ in r["evals"]})
@@ -278,6 +283,17 @@ def render_markdown(report: dict) -> str:
             lines += ["", f"Baseline RSS before the model was loaded (Python, torch, data): {_gib(baseline)} GiB."]
     lines.append("")
 
+    # -- where the time went -------------------------------------------------------------------------------------------
+    rows = []
+    for r in ok:
+        t = r["timing"]
+        rows.append([f"`{r['method']}`", _f(t["setup_seconds"], 1), _f(t["train_seconds"], 1),
+                     _f(r.get("exact_match_seconds"), 1), _f(t["wall_seconds"], 1)])
+    lines += ["## Where the time went (s)", ""]
+    lines += _table(["method", "setup (freezing, sparse-mask calibration)", "training (steps + evals)",
+                     "exact-match generation", "process total"], rows)
+    lines.append("")
+
     # -- findings ----------------------------------------------------------------------------------------------------------
     lines += ["## Findings (computed from this run)", ""] + [f"- {s}" for s in findings(report)] + [""]
     return "\n".join(lines)
@@ -310,8 +326,11 @@ def findings(report: dict) -> list[str]:
             continue
         ma, mb = metrics(a), metrics(b)
         parts = []
-        for key, label in (("step_time", "step time"), ("peak_memory", "peak memory"),
-                           ("optimizer_state", "optimizer state"), ("eval_loss", f"eval loss at step {a['evals'][-1][0]}")):
+        for key, label in (("step_time", "step time"), ("cpu_time", "CPU time per step"),
+                           ("peak_memory", "peak memory"), ("optimizer_state", "optimizer state"),
+                           ("eval_loss", f"eval loss at step {a['evals'][-1][0]}")):
+            if key == "cpu_time" and a.get("device") == "cuda":
+                continue
             rr = ratio(ma[key], mb[key])
             if rr is None:
                 continue

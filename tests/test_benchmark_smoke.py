@@ -113,7 +113,7 @@ def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_
     assert render_markdown(saved) == markdown
     assert f"| `lisa` | E+H+norm + γ blocks (E+H+γL) | {(eh + GAMMA * block) / 2**20:.3f} | {STEPS}/{STEPS} | 0 |" in markdown
     ratio_row = next(line for line in markdown.splitlines() if line.startswith("| `lora` | 1.00× |"))
-    assert ratio_row.count("|") == 10  # method + 4 metrics × (vs lora, vs full)
+    assert ratio_row.count("|") == 12  # method + 5 metrics × (vs lora, vs full)
     assert "exactly the E+H+γL optimizer state at 4 of 4 steps" in markdown
 
 
