@@ -5,7 +5,7 @@
     hf-lisa train [CONFIG.yaml] [--key value ...]   fine-tune (same as `accelerate launch -m hf_lisa.train ...`)
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
-    hf-lisa config-reference [--format markdown|text]
+    hf-lisa config-reference [--format markdown|text] [--update-docs [docs/training.md]]
 """
 
 from __future__ import annotations
@@ -16,6 +16,19 @@ from typing import Optional, Sequence
 USAGE = __doc__.split("::", 1)[1].strip("\n")
 
 COMMANDS = ("train", "demo", "push", "config-reference")
+DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+
+
+def update_docs(path: str = "docs/training.md") -> None:
+    """Replace the generated configuration reference between the markers in ``path``."""
+    with open(path) as f:
+        text = f.read()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ValueError(f"{path!r} has no {DOCS_BEGIN} ... {DOCS_END} section to update.")
+    head, rest = text.split(DOCS_BEGIN, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{DOCS_BEGIN}\n{config_reference('markdown')}{DOCS_END}{tail}")
 
 
 def config_reference(fmt: str = "markdown") -> str:
@@ -90,6 +103,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return hub_cli(rest)
     if command == "config-reference":
+        if "--update-docs" in rest:
+            target = rest[rest.index("--update-docs") + 1 :][:1] or ["docs/training.md"]
+            update_docs(target[0])
+            print(f"updated {target[0]}")
+            return 0
         fmt = "text" if "--format" in rest and rest[rest.index("--format") + 1 :][:1] == ["text"] else "markdown"
         print(config_reference(fmt), end="")
         return 0

@@ -275,11 +275,25 @@ class LisaArguments:
         },
     )
     monitor_plateau_grad_norm: float = field(
-        default=1e-5, metadata={"help": "Warn when the global grad norm stays below this value ..."}
+        default=1e-5,
+        metadata={"help": "Warn when the global grad norm stays below this value for monitor_plateau_steps steps."},
     )
-    monitor_plateau_steps: int = field(default=50, metadata={"help": "... for this many consecutive steps."})
+    monitor_plateau_steps: int = field(
+        default=50, metadata={"help": "Consecutive steps below monitor_plateau_grad_norm before the plateau warning."}
+    )
     monitor_block_groups: int = field(
         default=4, metadata={"help": "Number of block groups whose update/weight ratio is logged."}
+    )
+    ddp_comm_hook: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "DDP gradient compression: 'fp16', 'bf16' or 'powersgd' (default: none). Under DDP only the "
+            "active blocks' gradients are all-reduced (hf_lisa.distributed); fp16/bf16 halve that again."
+        },
+    )
+    powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})
+    powersgd_start_iter: int = field(
+        default=10, metadata={"help": "PowerSGD: plain all-reduce for the first steps, compression from this one (>= 2)."}
     )
     push_mode: Optional[str] = field(
         default=None,
@@ -446,6 +460,9 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         lisa_args.monitor_plateau_steps >= 1 and lisa_args.monitor_block_groups >= 1,
         "--monitor_plateau_steps and --monitor_block_groups must be >= 1.",
     )
+    from .distributed import ddp_kwargs_for_lisa
+
+    ddp_kwargs_for_lisa(lisa_args.ddp_comm_hook, lisa_args.powersgd_rank, lisa_args.powersgd_start_iter)  # validates
     if lisa_args.method == "lisa" and lisa_args.layer_interpolation:
         raise ValueError("--layer_interpolation needs LISA adapters; use --method lisa-adapter.")
     for name in ("rank_pattern", "alpha_pattern", "sparsity_pattern"):
@@ -1046,6 +1063,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         layers_attribute=lisa_args.lisa_layers_attribute,
     )
     monitor.attach(trainer)
+    # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
+    from .distributed import configure_trainer_for_lisa
+
+    configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
+                               powersgd_start_iter=lisa_args.powersgd_start_iter)
 
     # -- before ----------------------------------------------------------------------------------------------------------
     n_gen = data_args.eval_generation_samples or 0

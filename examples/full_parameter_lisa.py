@@ -1,0 +1,61 @@
+"""Full-parameter LISA (Pan et al., 2024): no adapters, the sampled blocks' own weights train in place.
+
+    python examples/full_parameter_lisa.py           # embedded SmolLM2-135M-Instruct, bundled arithmetic task
+
+The difference from ``finetune_causal_lm.py``: the model stays a plain transformers model and ``LisaCallback`` makes
+the embeddings, LM head and final norm plus γ = 2 sampled blocks trainable ("E+H+γL"), re-drawn every K steps. The
+Trainer builds its optimizer over every parameter first, so blocks sampled later do train (LMFlow #726), and the
+optimizer state of deactivated blocks is dropped at each switch (LMFlow #768). The output is a full model.
+"""
+
+import argparse
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+from hf_lisa.data import data_collator, load_raw_datasets, tokenize_datasets
+from hf_lisa.demo_task import write_demo_dataset
+from hf_lisa.models import default_model_path
+from trainer_callbacks import LisaCallback
+from trainer_callbacks.monitoring import TrainingMonitorCallback
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+parser.add_argument("--train_file", default=None, help="jsonl/csv/parquet; default: the bundled arithmetic task")
+parser.add_argument("--output_dir", default="outputs/full_parameter_lisa")
+parser.add_argument("--max_steps", type=int, default=60)
+parser.add_argument("--learning_rate", type=float, default=2e-4)
+parser.add_argument("--activated_layers", type=int, default=2, help="γ")
+parser.add_argument("--interval_steps", type=int, default=20, help="K")
+args = parser.parse_args()
+
+model_path = args.model_name_or_path or default_model_path()
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+model = AutoModelForCausalLM.from_pretrained(model_path)
+
+if args.train_file:
+    raw = load_raw_datasets(train_file=args.train_file, validation_split_percentage=5)
+else:
+    train_file, validation_file = write_demo_dataset(f"{args.output_dir}/data", n_train=1000, n_validation=32)
+    raw = load_raw_datasets(train_file=train_file, validation_file=validation_file)
+datasets, _ = tokenize_datasets(raw, tokenizer, max_seq_length=256)
+
+lisa = LisaCallback(
+    activated_layers=args.activated_layers, interval_steps=args.interval_steps, sampling="uniform", seed=42,
+    always_trainable=("embeddings", "lm_head", "norm"), optimizer_state_policy="drop",
+)
+training_args = TrainingArguments(
+    args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, learning_rate=args.learning_rate,
+    lr_scheduler_type="cosine", warmup_steps=5, logging_steps=10, save_strategy="no", report_to="tensorboard",
+)
+trainer = Trainer(
+    model=model, args=training_args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
+    data_collator=data_collator(tokenizer), callbacks=[lisa],
+)
+TrainingMonitorCallback().attach(trainer)
+
+before = trainer.evaluate()["eval_loss"]
+trainer.train()
+after = trainer.evaluate()["eval_loss"]
+print(f"eval loss: {before:.4f} -> {after:.4f}")
+model.save_pretrained(args.output_dir)  # full safetensors weights, loadable with AutoModelForCausalLM
+tokenizer.save_pretrained(args.output_dir)

@@ -1,0 +1,228 @@
+"""``hf-lisa train`` / ``python -m hf_lisa.train`` end to end on a tiny model, for every method; argument parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
+
+import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
+from hf_lisa import cli
+from hf_lisa.train import METHODS, main, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_cli")
+    model_dir = build_tiny_lm_dir(root / "model", num_layers=3)
+    train = write_jsonl(root / "train.jsonl", copy_task_rows(48, seed=0))
+    validation = write_jsonl(root / "validation.jsonl", copy_task_rows(8, seed=1))
+    return {"root": root, "model": model_dir, "train": train, "validation": validation}
+
+
+def _common(tiny, output_dir, *extra) -> list[str]:
+    return [
+        "--model_name_or_path", tiny["model"], "--train_file", tiny["train"], "--validation_file", tiny["validation"],
+        "--output_dir", str(output_dir), "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--per_device_eval_batch_size", "8", "--learning_rate", "5e-3", "--logging_steps", "2",
+        "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true",
+        "--eval_generation_samples", "4", "--generation_max_new_tokens", "4", "--max_seq_length", "64",
+        "--r", "4", "--lisa_activated_layers", "1", "--lisa_interval_steps", "2", *extra,
+    ]
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_saves_and_reloads(tiny, tmp_path, method):
+    out = tmp_path / method
+    extra = ["--method", method]
+    if method == "lisa-adapter":
+        extra += ["--sparsity", "0.5", "--mask_init", "random", "--mask_update_interval", "0"]
+    summary = main(_common(tiny, out, *extra))
+
+    files = set(os.listdir(out))
+    assert {"training_summary.json", "loss.png", "README.md", "training_args.json", "tokenizer.json"} <= files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))], files
+    on_disk = json.loads((out / "training_summary.json").read_text())
+    assert on_disk["method"] == method and on_disk["base_model"] == tiny["model"]
+    for key in ("lisa", "hyperparameters", "metrics", "datasets", "dataset_name", "loss_plot", "license"):
+        assert key in on_disk, key
+    assert on_disk["loss_plot"] == "loss.png"
+    assert on_disk["hyperparameters"]["max_steps"] == 4
+    metrics = on_disk["metrics"]
+    for name in ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_match", "train_loss"):
+        assert name in metrics and name + "_before" in metrics or name == "train_loss", name
+    assert metrics["eval_loss"] < metrics["eval_loss_before"]  # 4 steps at a high rate do learn something
+    assert summary["trainable"]["trainable_params"] > 0
+
+    base = _weights(os.path.join(tiny["model"], "model.safetensors"))
+    if method in ("lisa-adapter", "lora", "dora"):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+        adapter = _weights(str(out / "adapter_model.safetensors"))
+        factor = "lisa_B" if method == "lisa-adapter" else "lora_B"
+        assert any(factor in k and v.abs().sum() > 0 for k, v in adapter.items())  # B started at 0 and trained
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny["model"]), out)
+        loaded_b = {k: v for k, v in reloaded.state_dict().items() if factor in k}
+        assert loaded_b and any(v.abs().sum() > 0 for v in loaded_b.values())
+    else:
+        from transformers import AutoModelForCausalLM
+
+        assert {"model.safetensors", "config.json", "generation_config.json"} <= files
+        trained = _weights(str(out / "model.safetensors"))
+        changed = [k for k in base if not torch.equal(base[k], trained[k])]
+        if method == "lisa":
+            # E+H+γL: the embeddings, head and some block moved; with γ=1, K=2 and 4 steps at most 2 of 3 blocks
+            assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed
+            moved_blocks = {k.split(".")[2] for k in changed if k.startswith("model.layers.")}
+            assert 1 <= len(moved_blocks) <= 2
+        else:
+            assert len(changed) == len(base)
+        reloaded = AutoModelForCausalLM.from_pretrained(out)
+        assert torch.equal(reloaded.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
+
+
+def test_yaml_config_with_a_command_line_override(tiny, tmp_path):
+    config = {
+        "method": "lisa-adapter",
+        "learning_rate": 1e-3,
+        "max_steps": 7,
+        "target_modules": ["q_proj", "v_proj"],
+        "sparsity_pattern": {"v_proj": 0.0},
+        "gradient_checkpointing": True,
+        "report_to": [],
+        "output_dir": str(tmp_path / "from_yaml"),
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    model_args, data_args, lisa_args, training_args = parse_args([str(path), "--learning_rate", "5e-4"])
+    assert training_args.learning_rate == 5e-4  # the command line wins
+    assert training_args.max_steps == 7 and training_args.gradient_checkpointing is True
+    assert lisa_args.method == "lisa-adapter" and lisa_args.target_modules == ["q_proj", "v_proj"]
+    assert json.loads(lisa_args.sparsity_pattern) == {"v_proj": 0.0}
+    assert training_args.report_to == [] or training_args.report_to == ["none"] or training_args.report_to == "none"
+    assert training_args.output_dir == str(tmp_path / "from_yaml")
+    # values not given anywhere keep their documented defaults
+    assert lisa_args.lisa_interval_steps == 20 and training_args.max_grad_norm == 1.0
+
+
+def test_shipped_example_configs_parse(tmp_path):
+    configs = sorted((REPO / "examples" / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        *_, training_args = parse_args([str(path), "--output_dir", str(tmp_path / path.stem)])
+        assert training_args.output_dir == str(tmp_path / path.stem)
+
+
+# -- bad arguments: clear errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "qlora"], r"--method='qlora' is invalid; allowed: lisa, lisa-adapter, lora, dora, full"),
+        (["--learnig_rate", "1e-4"], r"unrecognised argument\(s\): '--learnig_rate' \(did you mean '--learning_rate'\?\)"),
+        (["--push_to_hub", "true"], r"--push_to_hub needs --hub_model_id"),
+        (["--layerwise_lr_decay", "1.5"], r"--layerwise_lr_decay=1.5 is invalid; allowed: a float in \(0, 1\]"),
+        (["--method", "lisa", "--lisa_activated_layers", "0"], r"--lisa_activated_layers=0 is invalid for --method lisa"),
+        (["--rank_pattern", "{up_proj: 4"], r"--rank_pattern=.* is not valid JSON"),
+        (["--method", "lisa", "--layer_interpolation", "true"], r"--layer_interpolation needs LISA adapters"),
+        (["--answer_pattern", "(unclosed"], r"--answer_pattern='\(unclosed' is not a valid regex"),
+    ],
+)
+def test_bad_arguments_give_clear_errors(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(["--output_dir", str(tmp_path), *argv])
+
+
+def test_unknown_yaml_key_is_named_with_a_suggestion(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("output_dir: out\nlisa_activated_layer: 2\n")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) 'lisa_activated_layer' \(did you mean 'lisa_activated_layers'\?\)"):
+        parse_args([str(path)])
+
+
+def test_more_active_layers_than_blocks_is_refused_before_training(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"larger than the number of transformer blocks \(3\)"):
+        main(_common(tiny, tmp_path / "o", "--method", "lisa", "--lisa_activated_layers", "5"))
+
+
+def test_missing_train_file_exits_with_a_message(tiny, tmp_path, capsys):
+    code = cli.main(["train", "--output_dir", str(tmp_path), "--train_file", str(tmp_path / "missing.jsonl"),
+                     "--model_name_or_path", tiny["model"]])
+    assert code == 2
+    assert "train_file=" in capsys.readouterr().err
+
+
+# -- the hf-lisa command ------------------------------------------------------------------------------------------------
+def test_config_reference_lists_every_option_and_the_docs_are_in_sync(capsys):
+    from dataclasses import fields
+
+    from hf_lisa.train import ARGUMENT_CLASSES
+
+    assert cli.main(["config-reference"]) == 0
+    reference = capsys.readouterr().out
+    for cls in ARGUMENT_CLASSES:
+        for f in fields(cls):
+            assert f"`--{f.name}`" in reference, f.name
+    docs = (REPO / "docs" / "training.md").read_text()
+    begin, end = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+    assert docs.split(begin, 1)[1].split(end, 1)[0].strip() == reference.strip(), (
+        "docs/training.md is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
+    )
+
+
+def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+    from hub_server import HubServer
+
+    server = HubServer()
+    server.add_token("hf_write_token", user="alice", write=True)
+    try:
+        monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+        summary = main(_common(tiny, tmp_path / "lora", "--method", "lora", "--push_to_hub", "true",
+                               "--hub_model_id", "alice/tiny-lora", "--hub_token", "hf_write_token",
+                               "--push_mode", "adapter", "--eval_generation_samples", "0"))
+        files = server.files("alice/tiny-lora")
+    finally:
+        server.stop()
+    assert "pushed_to" in summary
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "loss.png"} <= set(files)
+    assert not [f for f in files if f.endswith(".bin")]
+    assert len(server.commits("alice/tiny-lora")) >= 1
+
+
+def test_accelerate_launch_runs_the_module_with_a_yaml_config(tiny, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "method": "lora", "model_name_or_path": tiny["model"], "train_file": tiny["train"],
+        "validation_file": tiny["validation"], "max_steps": 2, "per_device_train_batch_size": 4, "r": 4,
+        "save_strategy": "no", "report_to": "none", "max_seq_length": 64, "output_dir": str(tmp_path / "ignored"),
+    }))
+    out = tmp_path / "launched"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_lisa.train", str(config),
+         "--output_dir", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[hf-lisa] method=lora" in result.stdout
+    assert (out / "adapter_model.safetensors").exists() and not (tmp_path / "ignored").exists()
