@@ -582,11 +582,33 @@ def gradient_bytes(params: Iterable[torch.Tensor]) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainer integration
 # ---------------------------------------------------------------------------------------------------------------------
-def _gradient_bytes_callback(handler):
+def _ddp_callback(handler, trainer):
     from transformers import TrainerCallback
 
-    class GradientBytesCallback(TrainerCallback):
-        """Adds ``ddp/grad_bytes_per_step`` (active-set all-reduce) and ``ddp/grad_bytes_full`` to the logs."""
+    class LisaDDPCallback(TrainerCallback):
+        """Keeps the Trainer's DDP wrap honest and logs ``ddp/grad_bytes_per_step`` / ``ddp/grad_bytes_full``."""
+
+        def _unmark_evaluation_prepare(self) -> None:
+            # accelerate (1.15) flags a model prepared for evaluation -- which is not wrapped in DDP -- as prepared,
+            # and train() then skips the DDP wrap: trainer.evaluate() before trainer.train() would leave the ranks
+            # training unsynchronised copies
+            model = trainer.model
+            if trainer.model_wrapped is model and getattr(model, "_is_accelerate_prepared", False):
+                model._is_accelerate_prepared = False
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self._unmark_evaluation_prepare()
+
+        def on_predict(self, args, state, control, metrics=None, **kwargs):
+            self._unmark_evaluation_prepare()
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if not _is_ddp(trainer.model_wrapped):
+                raise RuntimeError(
+                    f"The Trainer runs {trainer.accelerator.num_processes} processes but did not wrap the model in "
+                    f"DistributedDataParallel (got {type(trainer.model_wrapped).__name__}), so the ranks would train "
+                    "unsynchronised copies. This happens when accelerate prepared the model earlier without DDP."
+                )
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             comm = getattr(handler, "comm_state", None)
@@ -597,7 +619,7 @@ def _gradient_bytes_callback(handler):
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(values)
 
-    return GradientBytesCallback()
+    return LisaDDPCallback()
 
 
 def _fsdp2_fix_callback():
@@ -624,7 +646,9 @@ def configure_trainer_for_lisa(
 
     * **DDP**: ``ddp_find_unused_parameters=True`` (also with activation checkpointing, which must be
       non-reentrant), the active-set all-reduce (:func:`lisa_allreduce_hook`) or the ``comm_hook`` compression, and
-      ``ddp/grad_bytes_per_step`` / ``ddp/grad_bytes_full`` in the logs.
+      ``ddp/grad_bytes_per_step`` / ``ddp/grad_bytes_full`` in the logs. ``trainer.evaluate()`` before
+      ``trainer.train()`` no longer stops the DDP wrap (accelerate 1.15 marks the evaluation-prepared model as
+      prepared), and training refuses to start on an unwrapped model.
     * **FSDP2**: the mixed-precision unfreeze fix on torch < 2.14.1 (see :func:`install_fsdp2_unfreeze_fix`).
     * **DeepSpeed / FSDP1**: nothing to set; the LISA callbacks refuse layer switching where it cannot work.
 
@@ -689,7 +713,8 @@ def configure_trainer_for_lisa(
         **carried,
     )
     accelerator.ddp_handler = handler
-    trainer.add_callback(_gradient_bytes_callback(handler))
+    # first in line, so that the printer and the reporting integrations see the values it adds to the logs
+    trainer.callback_handler.callbacks.insert(0, _ddp_callback(handler, trainer))
     return handler
 
 

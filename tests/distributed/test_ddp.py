@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_common import block_of, free_port, launch, tiny_llama
+from dist_common import REPO, block_of, free_port, launch, tiny_llama
 
 
 WORLD = 2
@@ -136,3 +136,30 @@ def test_refused_hooks_on_gloo(ranks):
     assert "gloo" in refusals["bf16_torch_hook"] and "fp16" in refusals["bf16_torch_hook"]
     assert "batched" in refusals["batched_powersgd"] and "'powersgd'" in refusals["batched_powersgd"]
 
+
+
+def test_training_entry_point_under_two_rank_ddp_with_a_comm_hook(tmp_path):
+    """``accelerate launch -m hf_lisa.train`` as a user runs it: full-parameter LISA, fp16-compressed active set."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
+
+    model_dir = build_tiny_lm_dir(tmp_path / "model")
+    train_file = write_jsonl(tmp_path / "train.jsonl", copy_task_rows(32))
+    out = tmp_path / "out"
+    log = launch(
+        ["accelerate", "launch", "--config_file", "examples/accelerate_configs/cpu_2proc.yaml",
+         "--main_process_port", str(free_port()), "-m", "hf_lisa.train", "--method", "lisa",
+         "--model_name_or_path", model_dir, "--train_file", train_file, "--output_dir", str(out),
+         "--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "5e-3", "--logging_steps", "1",
+         "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--eval_generation_samples", "0",
+         "--max_seq_length", "32", "--lisa_activated_layers", "1", "--lisa_interval_steps", "2",
+         "--ddp_comm_hook", "fp16"],
+        extra_env={"ACCELERATE_USE_CPU": "1"},
+    )
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["hyperparameters"]["world_size"] == 2
+    assert summary["metrics"]["eval_loss"] < summary["metrics"]["eval_loss_before"]
+    # 3 blocks of 9280 parameters, 8224 always trainable: fp16 active set = 2 * (8224 + 9280) bytes per step
+    assert f"'ddp/grad_bytes_per_step': {2 * (8224 + 9280)}" in log
