@@ -117,7 +117,8 @@ def run_method(method: str, args, model_path: str, device, budget_s: float) -> d
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear"))
+        config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear")
+        model = get_peft_model(model, config)
         label, lr = f"LoRA r{args.lora_r} all-linear", args.lora_learning_rate
     elif method == "lisa":
         label, lr = f"LISA E+H+{args.lisa_activated_layers}L (K={args.lisa_interval_steps})", args.learning_rate
@@ -132,7 +133,7 @@ def run_method(method: str, args, model_path: str, device, budget_s: float) -> d
                                        interval_steps=args.lisa_interval_steps, seed=0)
         scheduler.freeze_all_but_active(optimizer)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    vocab = model.config.vocab_size if not hasattr(model, "get_base_model") else model.get_base_model().config.vocab_size
+    vocab = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(4)]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_autocast)
@@ -153,7 +154,7 @@ def run_method(method: str, args, model_path: str, device, budget_s: float) -> d
         if cuda:
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
         max_state = max(max_state, optimizer_state_bytes(optimizer))
         if time.perf_counter() - started > budget_s and step + 1 > args.warmup + 1:
             break
@@ -185,7 +186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
-        print(f"--methods={args.methods!r} is invalid; allowed: a comma-separated subset of {METHODS}.", file=sys.stderr)
+        allowed = f"a comma-separated subset of {METHODS}"
+        print(f"--methods={args.methods!r} is invalid; allowed: {allowed}.", file=sys.stderr)
         return 2
     if args.steps <= args.warmup:
         print(f"--steps={args.steps} must exceed --warmup={args.warmup}.", file=sys.stderr)

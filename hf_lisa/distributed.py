@@ -243,7 +243,8 @@ def check_layer_switching_supported(
                 f"{form} freezes blocks after DDP wrapped the model, so DDP must look for unused parameters, but "
                 "it was built with find_unused_parameters=False; it would fail with 'Expected to have finished "
                 "reduction' (axolotl #1474). Build DDP with find_unused_parameters=True "
-                "(TrainingArguments(ddp_find_unused_parameters=True), or hf_lisa.distributed.configure_trainer_for_lisa)."
+                "(TrainingArguments(ddp_find_unused_parameters=True), or "
+                "hf_lisa.distributed.configure_trainer_for_lisa)."
             )
         if getattr(model, "static_graph", False):
             raise UnsupportedEngineError(
@@ -320,7 +321,9 @@ class ActiveSetCommState:
 
     def __init__(self, process_group=None, compress_dtype: Optional[torch.dtype] = None, active_only: bool = True):
         if compress_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(f"compress_dtype={compress_dtype!r} is invalid; allowed: None, torch.float16, torch.bfloat16.")
+            raise ValueError(
+                f"compress_dtype={compress_dtype!r} is invalid; allowed: None, torch.float16, torch.bfloat16."
+            )
         self.process_group = process_group
         self.compress_dtype = compress_dtype
         self.active_only = active_only
@@ -402,7 +405,9 @@ def register_lisa_comm_hook(
         ```
     """
     if not _is_ddp(ddp_model):
-        raise TypeError(f"register_lisa_comm_hook expects a DistributedDataParallel model, got {type(ddp_model).__name__}.")
+        raise TypeError(
+            f"register_lisa_comm_hook expects a DistributedDataParallel model, got {type(ddp_model).__name__}."
+        )
     if not ddp_model.find_unused_parameters:
         raise UnsupportedEngineError(
             "LISA's active-set all-reduce needs DDP built with find_unused_parameters=True: frozen parameters produce "
@@ -417,7 +422,8 @@ def _normalise_comm_hook(comm_hook: Optional[str]) -> str:
     name = "none" if comm_hook is None else str(comm_hook).lower().replace("-", "_")
     name = {"power_sgd": "powersgd", "no": "none", "batched_power_sgd": "batched_powersgd"}.get(name, name)
     if name not in COMM_HOOKS:
-        raise ValueError(f"ddp_comm_hook={comm_hook!r} is invalid; allowed: {[h for h in COMM_HOOKS if h != 'batched_powersgd']}.")
+        allowed = [h for h in COMM_HOOKS if h != "batched_powersgd"]
+        raise ValueError(f"ddp_comm_hook={comm_hook!r} is invalid; allowed: {allowed}.")
     return name
 
 
@@ -557,7 +563,9 @@ def ddp_kwargs_for_lisa(
         }
     hook_type = {v: k for k, v in _HOOK_NAMES.items()}[name]
     ddp_kwargs.setdefault("find_unused_parameters", True)
-    return LisaDDPKwargs(comm_hook=hook_type, comm_state_option=state_option, active_set_sync=active_set_sync, **ddp_kwargs)
+    return LisaDDPKwargs(
+        comm_hook=hook_type, comm_state_option=state_option, active_set_sync=active_set_sync, **ddp_kwargs
+    )
 
 
 def ddp_training_arguments(activation_checkpointing: bool = False) -> dict[str, Any]:
@@ -614,7 +622,8 @@ def _ddp_callback(handler, trainer):
             comm = getattr(handler, "comm_state", None)
             if logs is None or comm is None or comm.meter.last is None:
                 return
-            values = {"ddp/grad_bytes_per_step": comm.meter.last["sent"], "ddp/grad_bytes_full": comm.meter.last["full"]}
+            last = comm.meter.last
+            values = {"ddp/grad_bytes_per_step": last["sent"], "ddp/grad_bytes_full": last["full"]}
             logs.update(values)
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
                 state.log_history[-1].update(values)
@@ -658,7 +667,9 @@ def configure_trainer_for_lisa(
 
     Example:
         ```py
-        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[LisaCallback(activated_layers=2)])  # doctest: +SKIP
+        >>> from trainer_callbacks import LisaCallback
+        >>> callbacks = [LisaCallback(activated_layers=2)]
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)  # doctest: +SKIP
         >>> configure_trainer_for_lisa(trainer, comm_hook="fp16")  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
         ```
@@ -681,9 +692,10 @@ def configure_trainer_for_lisa(
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes == 1:
         raise RuntimeError(
-            f"The launcher started {launched} processes (WORLD_SIZE={launched}) but the Trainer runs each as a separate "
-            "single-process job, so they would train unsynchronised copies. On CPU, launch with ACCELERATE_USE_CPU=1 "
-            "(`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ...` or torchrun), see "
+            f"The launcher started {launched} processes (WORLD_SIZE={launched}) but the Trainer runs each as "
+            "a separate single-process job, so they would train unsynchronised copies. On CPU, launch with "
+            "ACCELERATE_USE_CPU=1 (`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ...` or "
+            "torchrun), see "
             "examples/accelerate_configs/cpu_2proc.yaml."
         )
     if accelerator.num_processes <= 1 or distributed_type == DistributedType.NO:
@@ -695,12 +707,18 @@ def configure_trainer_for_lisa(
             "LISA changes the set of parameters with gradients every K steps, which DDP's static_graph=True forbids; "
             "set TrainingArguments(ddp_static_graph=False)."
         )
-    gc_kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {}
-    checkpointing = bool(getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False))
-    if (checkpointing and isinstance(gc_kwargs, dict) and gc_kwargs.get("use_reentrant") is True) or _reentrant_checkpointing(trainer.model):
+    gc_kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+        args, "gradient_checkpointing_kwargs", None
+    )
+    checkpointing = bool(
+        getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
+    )
+    reentrant = checkpointing and isinstance(gc_kwargs, dict) and gc_kwargs.get("use_reentrant") is True
+    if reentrant or _reentrant_checkpointing(trainer.model):
         raise UnsupportedEngineError(
             "LISA under DDP needs find_unused_parameters=True, which reentrant activation checkpointing breaks "
-            "('Expected to mark a variable ready only once'). Use gradient_checkpointing_kwargs={'use_reentrant': False}."
+            "('Expected to mark a variable ready only once'). Use "
+            "gradient_checkpointing_kwargs={'use_reentrant': False}."
         )
     args.ddp_find_unused_parameters = True
     previous = accelerator.ddp_handler
@@ -797,13 +815,15 @@ def fully_shard_blocks(
     """Apply FSDP2's ``fully_shard`` to every transformer block, then to the root; ready for LISA switching.
 
     Per-block units make a frozen block skip its reduce-scatter, so the gradient traffic follows the active set. On
-    torch < 2.14.1 with a low-precision ``mp_policy`` the unfreeze fix is installed (:func:`install_fsdp2_unfreeze_fix`).
+    torch < 2.14.1 with a low-precision ``mp_policy`` the unfreeze fix is installed
+    (:func:`install_fsdp2_unfreeze_fix`).
     Build the optimizer *after* this call, over every candidate parameter, then freeze.
 
     Example:
         ```py
         >>> from torch.distributed.fsdp import MixedPrecisionPolicy
-        >>> model = fully_shard_blocks(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # doctest: +SKIP
+        >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        >>> model = fully_shard_blocks(model, mp_policy=policy)  # doctest: +SKIP
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # doctest: +SKIP
         >>> scheduler = LayerwiseScheduler(model, num_active=2, interval_steps=20)  # doctest: +SKIP
         >>> scheduler.freeze_all_but_active(optimizer)  # doctest: +SKIP
@@ -825,7 +845,9 @@ def fully_shard_blocks(
     return model
 
 
-def save_fsdp2_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+def save_fsdp2_checkpoint(
+    checkpoint_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None
+) -> None:
     """Save a sharded (DCP) checkpoint of an FSDP2 model and its optimizer, plus the LISA schedule.
 
     Every rank must call it. The schedule (``scheduler.state_dict()``, sampler generator included) is written by
@@ -848,7 +870,9 @@ def save_fsdp2_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: torc
         torch.distributed.barrier()
 
 
-def load_fsdp2_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+def load_fsdp2_checkpoint(
+    checkpoint_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None
+) -> None:
     """Load :func:`save_fsdp2_checkpoint` output into a freshly built FSDP2 model, optimizer and LISA scheduler.
 
     The saved active set is applied *before* the optimizer state is loaded: torch initialises optimizer state only for

@@ -122,7 +122,8 @@ def run_refusals(output_dir: str) -> dict:
                                        "raw_ddp_no_find_unused": (tiny_llama(), False),
                                        "raw_ddp_reentrant": (checkpointed, True)}.items():
         try:
-            out[name] = check_layer_switching_supported(DistributedDataParallel(model, find_unused_parameters=find_unused))
+            wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
+            out[name] = check_layer_switching_supported(wrapped)
         except UnsupportedEngineError as err:
             out[name] = "refused: " + str(err)
     for name, kwargs in {"bf16_torch_hook": dict(comm_hook="bf16", active_set_sync=False),

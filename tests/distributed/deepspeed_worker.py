@@ -89,7 +89,8 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
     if masks is not None:
         result["mask_updates"] = masks.num_updates
         result["mask_crc"] = [zlib.crc32(m.lisa_mask["default"].numpy().tobytes()) for m in layers]
-        result["masks_changed"] = sum(int(not torch.equal(a, m.lisa_mask["default"])) for a, m in zip(initial_masks, layers))
+        final_masks = [m.lisa_mask["default"] for m in layers]
+        result["masks_changed"] = sum(int(not torch.equal(a, b)) for a, b in zip(initial_masks, final_masks))
     engine.destroy()
     return result
 

@@ -116,7 +116,7 @@ def fsdp1_scenarios() -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         after = full()
-        changed = sorted({block_of(n) for n in after if block_of(n) is not None and not torch.equal(after[n], before[n])})
+        changed = sorted({block_of(n) for n in after if not torch.equal(after[n], before[n])} - {None})
         out["steps"].append({"active": list(scheduler.active), "changed_blocks": changed})
     return out
 
@@ -135,7 +135,7 @@ def main(output_dir: str) -> None:
     rank = dist.get_rank()
     results: dict = {"world_size": dist.get_world_size()}
 
-    # -- uninterrupted run, observed step by step -----------------------------------------------------------------------
+    # -- uninterrupted run, observed step by step ----------------------------------------------------------------
     model, optimizer, scheduler = build()
     results["engine"] = check_layer_switching_supported(model, optimizer)
     scheduler.freeze_all_but_active(optimizer)
@@ -143,7 +143,7 @@ def main(output_dir: str) -> None:
     results["history"] = [[s, b] for s, b in scheduler.history]
     reference = full_weights(model)
 
-    # -- checkpoint at SAVE_AT (mid-period), resume in fresh objects ----------------------------------------------------
+    # -- checkpoint at SAVE_AT (mid-period), resume in fresh objects ---------------------------------------------
     checkpoint = os.path.join(output_dir, "checkpoint")
     model, optimizer, scheduler = build()
     scheduler.freeze_all_but_active(optimizer)

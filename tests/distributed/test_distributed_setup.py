@@ -78,7 +78,9 @@ def test_fsdp2_config_builds_a_version_2_plugin_wrapping_each_block():
     assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
 
 
-@pytest.mark.parametrize("name,stage,offload", [("deepspeed_zero2.yaml", 2, "none"), ("deepspeed_zero3_offload.yaml", 3, "cpu")])
+@pytest.mark.parametrize(
+    "name,stage,offload", [("deepspeed_zero2.yaml", 2, "none"), ("deepspeed_zero3_offload.yaml", 3, "cpu")]
+)
 def test_deepspeed_configs_build_plugins(name, stage, offload):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[distributed]'")
     from accelerate.utils import DeepSpeedPlugin
