@@ -32,7 +32,7 @@ model_path = args.model_name_or_path or default_model_path()
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 model = AutoModelForCausalLM.from_pretrained(model_path)
 
-# 40% block-sparse rank-8 updates on the attention projections; 2 blocks' adapters train at a time, switched every 10 steps
+# 40% block-sparse rank-8 updates on the attention projections; 2 blocks' adapters train at a time, K = 10 steps
 config = hf_lisa.LisaConfig(
     task_type="CAUSAL_LM", r=8, lisa_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
     sparsity=0.4, lisa_activated_layers=2, lisa_interval_steps=10,

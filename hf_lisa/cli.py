@@ -43,8 +43,8 @@ def config_reference(fmt: str = "markdown") -> str:
     lines = []
     for cls in ARGUMENT_CLASSES:
         if fmt == "markdown":
-            lines += [f"### `{cls.__name__}`", "", (cls.__doc__ or "").strip(), "", "| option | default | description |",
-                      "|---|---|---|"]
+            doc = (cls.__doc__ or "").strip()
+            lines += [f"### `{cls.__name__}`", "", doc, "", "| option | default | description |", "|---|---|---|"]
         else:
             lines += [f"{cls.__name__}: {(cls.__doc__ or '').strip()}"]
         for f in dataclasses.fields(cls):

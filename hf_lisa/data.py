@@ -59,7 +59,7 @@ class TokenizationReport:
         return sum(self.skipped.get(split, {}).values())
 
 
-# -- loading -------------------------------------------------------------------------------------------------------------
+# -- loading -----------------------------------------------------------------------------------------------------------
 def _builder_for(path: str, option: str) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{option}={path!r} does not exist.")
@@ -139,7 +139,7 @@ def load_raw_datasets(
     return raw
 
 
-# -- format detection ----------------------------------------------------------------------------------------------------
+# -- format detection --------------------------------------------------------------------------------------------------
 def detect_format(
     column_names: list[str],
     data_format: str = "auto",
@@ -173,7 +173,7 @@ def detect_format(
     )
 
 
-# -- tokenisation --------------------------------------------------------------------------------------------------------
+# -- tokenisation ------------------------------------------------------------------------------------------------------
 def _use_chat_template(tokenizer, mode: str) -> bool:
     if mode not in CHAT_TEMPLATE_MODES:
         raise DataError(f"chat_template={mode!r} is invalid; allowed: {CHAT_TEMPLATE_MODES}.")

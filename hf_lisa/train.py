@@ -24,7 +24,8 @@ argument the bundled arithmetic task (see [`hf_lisa.demo_task`]).
 Example (Python):
     ```py
     >>> from hf_lisa.train import main
-    >>> summary = main(["--method", "lora", "--train_file", "data.jsonl", "--output_dir", "out", "--max_steps", "10"])  # doctest: +SKIP
+    >>> argv = ["--method", "lora", "--train_file", "data.jsonl", "--output_dir", "out", "--max_steps", "10"]
+    >>> summary = main(argv)  # doctest: +SKIP
     >>> summary["metrics"]["eval_loss"]  # doctest: +SKIP
     ```
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -293,7 +293,8 @@ class LisaArguments:
     )
     powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank."})
     powersgd_start_iter: int = field(
-        default=10, metadata={"help": "PowerSGD: plain all-reduce for the first steps, compression from this one (>= 2)."}
+        default=10,
+        metadata={"help": "PowerSGD: plain all-reduce for the first steps, compression from this one (>= 2)."},
     )
     push_mode: Optional[str] = field(
         default=None,
@@ -367,15 +368,19 @@ def load_config_file(path: str) -> dict:
     if config is None:
         return {}
     if not isinstance(config, dict):
-        raise ValueError(f"config file {path!r} must hold a mapping of option names to values, got {type(config).__name__}.")
+        raise ValueError(
+            f"config file {path!r} must hold a mapping of option names to values, got {type(config).__name__}."
+        )
     return config
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
-    """Parse ``[CONFIG.yaml] [--key value ...]`` into ``(ModelArguments, DataArguments, LisaArguments, TrainingArguments)``.
+    """Parse ``[CONFIG.yaml] [--key value ...]`` into the four argument dataclasses.
 
-    Values from the config file come first and command-line flags after them, so the command line wins. An
-    ``output_dir`` is required (in the file or on the command line).
+    Returns ``(ModelArguments, DataArguments, LisaArguments, TrainingArguments)``.
+
+    Values from the config file come first and command-line flags after them, so the command line wins. Without
+    ``output_dir`` the Trainer's default (``trainer_output``) is used.
 
     Example:
         ```py
@@ -432,7 +437,6 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
             raise ValueError(message)
 
     need(lisa_args.method in METHODS, f"--method={lisa_args.method!r} is invalid; allowed: {', '.join(METHODS)}.")
-    need(training_args.output_dir is not None, "--output_dir is required (in the config file or on the command line).")
     need(
         model_args.torch_dtype in ("float32", "bfloat16", "float16", "auto"),
         f"--torch_dtype={model_args.torch_dtype!r} is invalid; allowed: float32, bfloat16, float16, auto.",
@@ -505,7 +509,9 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
 
     dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
     kwargs = dict(
-        revision=model_args.model_revision, cache_dir=model_args.cache_dir, trust_remote_code=model_args.trust_remote_code
+        revision=model_args.model_revision,
+        cache_dir=model_args.cache_dir,
+        trust_remote_code=model_args.trust_remote_code,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
@@ -534,9 +540,12 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
     if lisa_args.method == "lisa":
         knobs["always_trainable"] = _always_trainable(lisa_args)
     if lisa_args.method in ADAPTER_METHODS:
-        knobs.update(r=lisa_args.r, lisa_alpha=lisa_args.lisa_alpha, lisa_dropout=lisa_args.lisa_dropout,
-                     target_modules=lisa_args.target_modules, rank_pattern=_json_pattern(lisa_args.rank_pattern, "rank_pattern"),
-                     alpha_pattern=_json_pattern(lisa_args.alpha_pattern, "alpha_pattern"))
+        knobs.update(
+            r=lisa_args.r, lisa_alpha=lisa_args.lisa_alpha, lisa_dropout=lisa_args.lisa_dropout,
+            target_modules=lisa_args.target_modules,
+            rank_pattern=_json_pattern(lisa_args.rank_pattern, "rank_pattern"),
+            alpha_pattern=_json_pattern(lisa_args.alpha_pattern, "alpha_pattern"),
+        )
     if lisa_args.method == "lisa-adapter":
         knobs.update(
             sparsity=lisa_args.sparsity, sparsity_structure=lisa_args.sparsity_structure,
@@ -875,7 +884,8 @@ def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[s
 # Outputs
 # ----------------------------------------------------------------------------------------------------------------------
 def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[float] = None,
-                after_eval_loss: Optional[float] = None, final_step: Optional[int] = None) -> Optional[str]:
+                after_eval_loss: Optional[float] = None, final_step: Optional[int] = None,
+                title: str = "hf-lisa training") -> Optional[str]:
     """Write a PNG of the training loss (and the eval loss) against the optimizer step; ``None`` without matplotlib."""
     try:
         import matplotlib
@@ -898,7 +908,7 @@ def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[f
         ax.plot(*zip(*sorted(evals)), "o--", label="eval loss", color="tab:orange")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title("hf-lisa training")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -1071,7 +1081,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
                                powersgd_start_iter=lisa_args.powersgd_start_iter)
 
-    # -- before ----------------------------------------------------------------------------------------------------------
+    # -- before --------------------------------------------------------------------------------------------------------
     n_gen = data_args.eval_generation_samples or 0
     gen_rows = []
     if n_gen and "validation" in raw and report.data_format in ("prompt_completion", "messages"):
@@ -1100,7 +1110,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     if trainer.is_world_process_zero() and before_line:
         print(f"[{SUMMARY_PREFIX}] before training: {before_line}", flush=True)
 
-    # -- train -----------------------------------------------------------------------------------------------------------
+    # -- train ---------------------------------------------------------------------------------------------------------
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     metrics["train_loss"] = float(train_result.training_loss)
     evaluate_all("")
@@ -1108,7 +1118,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     if trainer.is_world_process_zero() and after_line:
         print(f"[{SUMMARY_PREFIX}] after training:  {after_line}", flush=True)
 
-    # -- outputs ---------------------------------------------------------------------------------------------------------
+    # -- outputs -------------------------------------------------------------------------------------------------------
     output_dir = training_args.output_dir
     save_final_model(trainer, trainer.model, tokenizer, output_dir, lisa_args.method)
     summary = {
@@ -1161,14 +1171,16 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             trainer.state.log_history, os.path.join(output_dir, LOSS_PLOT_NAME),
             before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
             final_step=trainer.state.global_step,
+            title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
         )
         summary["loss_plot"] = LOSS_PLOT_NAME if plot else None
         with open(os.path.join(output_dir, TRAINING_SUMMARY_NAME), "w") as f:
             json.dump(_jsonable(summary), f, indent=2)
         _write_model_card(output_dir, summary, lisa_args.method)
-        print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({'adapter' if lisa_args.method in ADAPTER_METHODS else 'full weights'}"
-              f", {TRAINING_SUMMARY_NAME}{', ' + LOSS_PLOT_NAME if plot else ''}) in {summary['runtime_seconds']:.0f} s",
-              flush=True)
+        kind = "adapter" if lisa_args.method in ADAPTER_METHODS else "full weights"
+        extra = f", {LOSS_PLOT_NAME}" if plot else ""
+        print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "
+              f"{summary['runtime_seconds']:.0f} s", flush=True)
         if push_repo:
             from .hub import push_to_hub
 

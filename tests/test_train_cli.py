@@ -130,15 +130,17 @@ def test_shipped_example_configs_parse(tmp_path):
         assert training_args.output_dir == str(tmp_path / path.stem)
 
 
-# -- bad arguments: clear errors ----------------------------------------------------------------------------------------
+# -- bad arguments: clear errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--method", "qlora"], r"--method='qlora' is invalid; allowed: lisa, lisa-adapter, lora, dora, full"),
-        (["--learnig_rate", "1e-4"], r"unrecognised argument\(s\): '--learnig_rate' \(did you mean '--learning_rate'\?\)"),
+        (["--learnig_rate", "1e-4"],
+         r"unrecognised argument\(s\): '--learnig_rate' \(did you mean '--learning_rate'\?\)"),
         (["--push_to_hub", "true"], r"--push_to_hub needs --hub_model_id"),
         (["--layerwise_lr_decay", "1.5"], r"--layerwise_lr_decay=1.5 is invalid; allowed: a float in \(0, 1\]"),
-        (["--method", "lisa", "--lisa_activated_layers", "0"], r"--lisa_activated_layers=0 is invalid for --method lisa"),
+        (["--method", "lisa", "--lisa_activated_layers", "0"],
+         r"--lisa_activated_layers=0 is invalid for --method lisa"),
         (["--rank_pattern", "{up_proj: 4"], r"--rank_pattern=.* is not valid JSON"),
         (["--method", "lisa", "--layer_interpolation", "true"], r"--layer_interpolation needs LISA adapters"),
         (["--answer_pattern", "(unclosed"], r"--answer_pattern='\(unclosed' is not a valid regex"),
@@ -152,7 +154,8 @@ def test_bad_arguments_give_clear_errors(tmp_path, argv, message):
 def test_unknown_yaml_key_is_named_with_a_suggestion(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("output_dir: out\nlisa_activated_layer: 2\n")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) 'lisa_activated_layer' \(did you mean 'lisa_activated_layers'\?\)"):
+    expected = r"unknown option\(s\) 'lisa_activated_layer' \(did you mean 'lisa_activated_layers'\?\)"
+    with pytest.raises(ValueError, match=expected):
         parse_args([str(path)])
 
 
@@ -168,7 +171,7 @@ def test_missing_train_file_exits_with_a_message(tiny, tmp_path, capsys):
     assert "train_file=" in capsys.readouterr().err
 
 
-# -- the hf-lisa command ------------------------------------------------------------------------------------------------
+# -- the hf-lisa command -----------------------------------------------------------------------------------------------
 def test_config_reference_lists_every_option_and_the_docs_are_in_sync(capsys):
     from dataclasses import fields
 
@@ -226,3 +229,20 @@ def test_accelerate_launch_runs_the_module_with_a_yaml_config(tiny, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[hf-lisa] method=lora" in result.stdout
     assert (out / "adapter_model.safetensors").exists() and not (tmp_path / "ignored").exists()
+
+
+def test_demo_defaults_yield_to_user_flags():
+    from hf_lisa.demo import DEMO_DEFAULTS, demo_argv
+
+    argv = demo_argv(["--max_steps", "5", "--method=lisa-adapter"])
+    *_, lisa_args, training_args = parse_args(argv + ["--report_to", "none"])
+    assert training_args.max_steps == 5 and lisa_args.method == "lisa-adapter"
+    assert training_args.learning_rate == float(DEMO_DEFAULTS["learning_rate"])
+    assert training_args.output_dir == "outputs"
+
+
+def test_push_subcommand_dispatches_to_the_hub_cli(capsys):
+    assert cli.main(["push", "--help"]) == 0
+    assert "hf-lisa push" in capsys.readouterr().out
+    assert cli.main(["bogus"]) == 2
+    assert "unknown command 'bogus'" in capsys.readouterr().err

@@ -7,9 +7,9 @@ logs, so every integration named by ``report_to`` (TensorBoard, wandb, trackio, 
 
 * ``monitor/grad_norm``: global L2 norm of the gradients before clipping (the Trainer's measurement, else ours) and
   ``monitor/grad_norm_applied``: the norm after clipping, i.e. of what the optimizer applies, at the logged step;
-* ``monitor/update_ratio/<group>``: ``‖W_after − W_before‖ / ‖W_before‖`` of that step, per group: ``embeddings``,
-  ``blocks_<first>-<last>`` (the blocks split into ``num_block_groups`` contiguous groups) and ``head`` (everything
-  else). Groups without gradients that step (frozen by LISA) report 0;
+* ``monitor/update_ratio/<group>``: ``‖W_after − W_before‖ / ‖W_before‖`` of that step, per group:
+  ``embeddings``, ``blocks_<first>-<last>`` (the blocks split into ``num_block_groups`` contiguous groups) and
+  ``head`` (everything else). Groups without gradients that step (frozen by LISA) report 0;
 * ``monitor/active_blocks``: blocks with at least one trainable parameter, ``monitor/trainable_params``;
 * ``monitor/optimizer_state_bytes``: bytes held by the optimizer's per-parameter state.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from transformers import TrainerCallback
@@ -105,7 +105,9 @@ class TrainingMonitorCallback(TrainerCallback):
         handler = trainer.callback_handler
         handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
         readers = (*INTEGRATION_TO_CALLBACK.values(), PrinterCallback, ProgressCallback)
-        position = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks))
+        position = next(
+            (i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks)
+        )
         handler.callbacks.insert(position, self)
         return self
 
