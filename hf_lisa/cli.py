@@ -5,7 +5,7 @@
     hf-lisa train [CONFIG.yaml] [--key value ...]   fine-tune (same as `accelerate launch -m hf_lisa.train ...`)
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
-    hf-lisa config-reference [--format markdown|text] [--update-docs [docs/training.md]]
+    hf-lisa config-reference [--format markdown|text] [--update-docs [FILE]]   (default: README.md and docs/training.md)
 """
 
 from __future__ import annotations
@@ -17,18 +17,59 @@ USAGE = __doc__.split("::", 1)[1].strip("\n")
 
 COMMANDS = ("train", "demo", "push", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
+DOC_FILES = ("README.md", "docs/training.md")
 
 
-def update_docs(path: str = "docs/training.md") -> None:
-    """Replace the generated configuration reference between the markers in ``path``."""
+def _replace_between(text: str, begin: str, end: str, content: str) -> str:
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{content}{end}{tail}"
+
+
+def update_docs(path: str = "README.md") -> None:
+    """Regenerate the reference sections (between their markers) in ``path``."""
     with open(path) as f:
         text = f.read()
-    if DOCS_BEGIN not in text or DOCS_END not in text:
+    sections = [(DOCS_BEGIN, DOCS_END, config_reference), (LISA_CONFIG_BEGIN, LISA_CONFIG_END, lisa_config_reference)]
+    present = [(b, e, fn) for b, e, fn in sections if b in text and e in text]
+    if not present:
         raise ValueError(f"{path!r} has no {DOCS_BEGIN} ... {DOCS_END} section to update.")
-    head, rest = text.split(DOCS_BEGIN, 1)
-    _, tail = rest.split(DOCS_END, 1)
+    for begin, end, generate in present:
+        text = _replace_between(text, begin, end, generate("markdown"))
     with open(path, "w") as f:
-        f.write(f"{head}{DOCS_BEGIN}\n{config_reference('markdown')}{DOCS_END}{tail}")
+        f.write(text)
+
+
+def _field_default(f):
+    import dataclasses
+
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "required"
+
+
+def lisa_config_reference(fmt: str = "markdown") -> str:
+    """The fields of ``hf_lisa.LisaConfig`` (LISA's own, not PEFT's generic ones), from their help metadata."""
+    import dataclasses
+
+    from peft.config import PeftConfig
+
+    from .config import LisaConfig
+
+    inherited = {f.name for f in dataclasses.fields(PeftConfig)} - {"modules_to_save"}
+    lines = ["| field | default | description |", "|---|---|---|"] if fmt == "markdown" else []
+    for f in dataclasses.fields(LisaConfig):
+        if f.name in inherited:
+            continue
+        help_text = f.metadata.get("help", "")
+        if fmt == "markdown":
+            lines.append(f"| `{f.name}` | `{_field_default(f)!r}` | {help_text.replace('|', chr(92) + '|')} |")
+        else:
+            lines.append(f"{f.name} (default {_field_default(f)!r}): {help_text}")
+    return "\n".join(lines) + "\n"
 
 
 def config_reference(fmt: str = "markdown") -> str:
@@ -48,12 +89,7 @@ def config_reference(fmt: str = "markdown") -> str:
         else:
             lines += [f"{cls.__name__}: {(cls.__doc__ or '').strip()}"]
         for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                default = f.default_factory()
-            else:
-                default = "required"
+            default = _field_default(f)
             help_text = f.metadata.get("help", "")
             if fmt == "markdown":
                 cell = help_text.replace("|", "\\|")
@@ -104,9 +140,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return hub_cli(rest)
     if command == "config-reference":
         if "--update-docs" in rest:
-            target = rest[rest.index("--update-docs") + 1 :][:1] or ["docs/training.md"]
-            update_docs(target[0])
-            print(f"updated {target[0]}")
+            targets = rest[rest.index("--update-docs") + 1 :][:1] or list(DOC_FILES)
+            for target in targets:
+                update_docs(target)
+                print(f"updated {target}")
             return 0
         fmt = "text" if "--format" in rest and rest[rest.index("--format") + 1 :][:1] == ["text"] else "markdown"
         print(config_reference(fmt), end="")

@@ -182,11 +182,28 @@ def test_config_reference_lists_every_option_and_the_docs_are_in_sync(capsys):
     for cls in ARGUMENT_CLASSES:
         for f in fields(cls):
             assert f"`--{f.name}`" in reference, f.name
-    docs = (REPO / "docs" / "training.md").read_text()
-    begin, end = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
-    assert docs.split(begin, 1)[1].split(end, 1)[0].strip() == reference.strip(), (
-        "docs/training.md is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
+    for name in cli.DOC_FILES:
+        docs = (REPO / name).read_text()
+        begin, end = cli.DOCS_BEGIN, cli.DOCS_END
+        assert docs.split(begin, 1)[1].split(end, 1)[0].strip() == reference.strip(), (
+            f"{name} is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
+        )
+
+
+def test_readme_lists_every_lisa_config_field():
+    from dataclasses import fields
+
+    from hf_lisa import LisaConfig
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split(cli.LISA_CONFIG_BEGIN, 1)[1].split(cli.LISA_CONFIG_END, 1)[0]
+    assert section.strip() == cli.lisa_config_reference().strip(), (
+        "README.md is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
     )
+    for name in ("r", "lisa_alpha", "sparsity", "sparsity_structure", "block_size", "n_m", "mask_init",
+                 "layer_interpolation", "lisa_activated_layers", "rank_pattern", "sparsity_pattern"):
+        assert f"`{name}`" in section
+    assert {f.name for f in fields(LisaConfig)} >= {"sparsity", "new_block_bonus"}
 
 
 def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_path, monkeypatch):
