@@ -47,7 +47,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _get_attr_path(root: nn.Module, path: str) -> Optional[nn.Module]:
     obj = root
     for part in path.split("."):
-        obj = getattr(obj, part, None) if not isinstance(obj, nn.ModuleDict) else obj[part] if part in obj else None
+        obj = getattr(obj, part, None)  # nn.Module.__getattr__ also resolves ModuleDict/ModuleList children
         if obj is None:
             return None
     return obj

@@ -160,8 +160,11 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_importance[adapter_name] = pooled if acc is None else acc + pooled
 
     # -- delta -----------------------------------------------------------------------------------------------------------
-    def _delta_out_in(self, adapter_name: str) -> torch.Tensor:
-        delta = self.lisa_B[adapter_name].weight @ self.lisa_A[adapter_name].weight
+    def _delta_out_in(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        weight_B, weight_A = self.lisa_B[adapter_name].weight, self.lisa_A[adapter_name].weight
+        if dtype is not None:
+            weight_B, weight_A = weight_B.to(dtype), weight_A.to(dtype)
+        delta = weight_B @ weight_A
         mask = self.get_mask(adapter_name)
         if mask is not None:
             delta = delta * mask.to(delta.device)
@@ -170,15 +173,11 @@ class LisaLayer(BaseTunerLayer):
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """``s · M ⊙ (B A)`` in the layout of the base weight."""
         weight_B = self.lisa_B[adapter_name].weight
-        dtype = weight_B.dtype
-        cast = weight_B.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
-        if cast:  # CPU matmul in half precision is slow and inexact: compute in fp32
+        if weight_B.device.type == "cpu" and weight_B.dtype in (torch.float16, torch.bfloat16):
+            # CPU matmul in half precision is slow and inexact: compute in fp32, as PEFT's LoRA does
             with torch.no_grad():
-                delta = (weight_B.float() @ self.lisa_A[adapter_name].weight.float()) * self.scaling[adapter_name]
-                mask = self.get_mask(adapter_name)
-                if mask is not None:
-                    delta = delta * mask
-            return transpose(delta, self.fan_in_fan_out).to(dtype)
+                delta = self._delta_out_in(adapter_name, dtype=torch.float32)
+            return transpose(delta, self.fan_in_fan_out).to(weight_B.dtype)
         return transpose(self._delta_out_in(adapter_name), self.fan_in_fan_out)
 
     def set_scale(self, adapter: str, scale: float) -> None:
