@@ -86,9 +86,14 @@ def _state_kind(method: str) -> str:
     return {"full": "full", "lisa": "lisa", "lora": "lora", "lisa-adapter": "lisa-adapter"}[spec.train_method]
 
 
-def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: int, adapter_rank: int, sparse: bool,
-                   interpolation: bool, sparse_delta_bytes: int):
-    """The measuring callback: per-step time, tokens, optimizer state (measured and from shapes), memory."""
+def _make_recorder(inventory, kind: str, config, schedule, device, estimate_kwargs: dict, probe_step: int):
+    """The measuring callback: per-step time, tokens, optimizer state (measured and from shapes), memory.
+
+    ``estimate_kwargs`` go to :func:`benchmarks.theory.activation_bytes`; in step ``probe_step`` the bytes autograd
+    saves for the backward pass are measured too (that step is left out of the timing).
+    """
+    import contextlib
+
     import torch
     from transformers import TrainerCallback
 
@@ -118,6 +123,30 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
             self.t_train_end = 0.0
             self._t_step = 0.0
             self._cpu_step = 0.0
+            self.probe_step = probe_step
+            self.probe: dict[str, Any] = {}
+            self._probe_storages: dict[int, int] = {}
+
+        @contextlib.contextmanager
+        def saved_tensors_probe(self, model, global_step: int):
+            """Sum the storages autograd saves during this micro-batch's forward pass, parameters excluded."""
+            if global_step + 1 != self.probe_step:
+                yield
+                return
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            storages = self._probe_storages
+
+            def pack(tensor):
+                try:
+                    storage = tensor.untyped_storage()
+                except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+                    return tensor
+                if storage.data_ptr() not in params:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                yield
 
         def count_batch(self, inputs) -> None:
             ids = inputs["input_ids"]
@@ -149,8 +178,18 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
             trainable = [p for p in inventory.all_params if p.requires_grad]
             measured = optimizer_state_bytes(optimizer)
             expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks))
-            kinds = block_kinds_for(kind, len(inventory.block_names), active, sparse=sparse,
-                                    interpolation=interpolation)
+            kinds = block_kinds_for(kind, len(inventory.block_names), active, sparse=estimate_kwargs["sparse"],
+                                    interpolation=estimate_kwargs["interpolation"])
+            estimate = activation_bytes(
+                config, self.padded_tokens, kinds, act_bytes=estimate_kwargs["act_bytes"],
+                adapter_rank=estimate_kwargs["adapter_rank"],
+                sparse_delta_elements=estimate_kwargs["sparse_delta_elements"],
+                interpolation=estimate_kwargs["interpolation"], head_trains=estimate_kwargs["head_trains"],
+            )
+            if state.global_step == self.probe_step and self._probe_storages:
+                self.probe = {"step": state.global_step, "measured_bytes": sum(self._probe_storages.values()),
+                              "estimate_bytes": estimate, "padded_tokens": self.padded_tokens}
+                self._probe_storages = {}
             self.steps.append(
                 {
                     "step": state.global_step,
@@ -164,10 +203,7 @@ def _make_recorder(inventory, kind: str, config, schedule, device, act_bytes: in
                     "trainable_params": sum(p.numel() for p in trainable),
                     "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
                     "active_blocks": sorted(active),
-                    "activation_bytes": activation_bytes(
-                        config, self.padded_tokens, kinds, act_bytes=act_bytes, adapter_rank=adapter_rank,
-                        sparse_delta_bytes=sparse_delta_bytes, interpolation=interpolation,
-                    ),
+                    "activation_bytes": estimate,
                     "rss_bytes": current_rss_bytes(),
                 }
             )
@@ -230,6 +266,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data."""
     wall_start = time.perf_counter()
     rss_start = current_rss_bytes()
+    load_start = _load_average()
     import torch
     import transformers
     from transformers import TrainingArguments, set_seed
@@ -298,26 +335,32 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         ]
     inventory = parameter_inventory(model)
     sparse = bool(spec.lisa_overrides.get("sparsity"))
-    interpolation = bool(spec.lisa_overrides.get("layer_interpolation"))
-    # a sparse adapter materialises M ⊙ (B A) per adapted linear: the block's linear weights again, in fp32
-    sparse_delta_bytes = 0
-    if sparse and inventory.block_base:
-        sparse_delta_bytes = sum(p.numel() * 4 for p in inventory.block_base[0] if p.dim() == 2)
+    # the packed sparse masks are part of what the adapter must hold: 1 bit per weight element
+    mask_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "lisa_mask" in n)
     device = torch.device(device_name)
-    act_bytes = 2 if (preset.bf16 or preset.dtype in ("bfloat16", "float16")) else 4
-    recorder = _make_recorder(
-        inventory, _state_kind(method), model.config, _schedule_reader(callbacks, inventory), device, act_bytes,
-        preset.lora_r if spec.family == "adapter" else 0, sparse, interpolation, sparse_delta_bytes,
-    )
+    estimate_kwargs = {
+        "act_bytes": 2 if (preset.bf16 or preset.dtype in ("bfloat16", "float16")) else 4,
+        "adapter_rank": preset.lora_r if spec.family == "adapter" else 0,
+        "sparse": sparse,
+        # a sparse adapter materialises M ⊙ (B A) per adapted linear: the block's linear weights once more
+        "sparse_delta_elements": sum(p.numel() for p in inventory.block_base[0] if p.dim() == 2) if sparse else 0,
+        "interpolation": bool(spec.lisa_overrides.get("layer_interpolation")),
+        "head_trains": spec.family == "full-parameter",
+    }
+    probe_step = min(preset.timing_warmup_steps + 1, preset.steps)
+    recorder = _make_recorder(inventory, _state_kind(method), model.config, _schedule_reader(callbacks, inventory),
+                              device, estimate_kwargs, probe_step)
 
     base = _trainer_class()
 
     class MeasuredTrainer(base):
-        """The training entry point's Trainer, counting the tokens of every micro-batch."""
+        """The training entry point's Trainer, counting the tokens of every micro-batch (and, in one step, the
+        bytes autograd saves)."""
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             recorder.count_batch(inputs)
-            return super().training_step(model, inputs, num_items_in_batch)
+            with recorder.saved_tensors_probe(model, self.state.global_step):
+                return super().training_step(model, inputs, num_items_in_batch)
 
     lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
     args = TrainingArguments(
@@ -353,7 +396,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         callbacks=[recorder] + callbacks,
     )
 
-    # -- the same generation prompts before (once per run) and after ----------------------------------------------------
+    # -- the same generation prompts before (once per run) and after ---------------------------------------------------
     chat = data_lib._use_chat_template(tokenizer, "auto")
     gen_rows: list[dict] = []
     if bundled and preset.exact_match_samples and report.data_format in ("prompt_completion", "messages"):
@@ -379,14 +422,15 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
 
     steps = recorder.steps
     eval_steps = {s for s, _ in recorder.evals}
-    steady = [r for r in steps if r["step"] > preset.timing_warmup_steps and r["step"] not in eval_steps]
+    steady = [r for r in steps if r["step"] > preset.timing_warmup_steps and r["step"] not in eval_steps
+              and r["step"] != recorder.probe_step]
     if not steady:  # very short runs (the smoke test): time every step
         steady = steps
     state_measured = [r["optimizer_state_bytes"] for r in steps]
     grads = max(r["grad_bytes"] for r in steps)
     state_floor = max(r["expected_state_bytes"] for r in steps)
     activations = max(r["activation_bytes"] for r in steps)
-    weights = inventory.weight_bytes
+    weights = inventory.weight_bytes + mask_bytes
     cuda = torch.cuda.get_device_name(device) if device_name == "cuda" else None
     result.update(
         {
@@ -420,6 +464,8 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
                 "setup_seconds": (recorder.t_first_step or recorder.t_train_begin) - recorder.t_train_begin,
                 "train_seconds": recorder.t_train_end - recorder.t_train_begin,
                 "wall_seconds": time.perf_counter() - wall_start,
+                # other processes on the machine: 1-minute load average when this method started and ended
+                "load_average": [load_start, _load_average()],
             },
             "optimizer_state": {
                 "max_bytes": max(state_measured),
@@ -446,14 +492,23 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
                 "grad_bytes": grads,
                 "optimizer_state_bytes": state_floor,
                 "activation_bytes": activations,
+                "mask_bytes": mask_bytes,
                 "total_bytes": weights + grads + state_floor + activations,
                 "activation_bytes_per": "max over steps of the estimate for that step's batch and active blocks",
                 "activation_formula": ACTIVATION_FORMULA,
-                "activation_dtype_bytes": act_bytes,
+                "activation_dtype_bytes": estimate_kwargs["act_bytes"],
+                "activation_probe": recorder.probe,
             },
         }
     )
     return result
+
+
+def _load_average() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def _median(values: Sequence[float]) -> float:
@@ -598,7 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="benchmarks/compare.py",
         description="Benchmark LISA against LoRA, full fine-tuning and the naive LISA callback, side by side.",
     )
-    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="Base settings (default: cpu-small).")
+    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS),
+                        help="Base settings (default: cpu-small).")
     parser.add_argument("--methods", help=f"Comma-separated subset of: {', '.join(DEFAULT_METHODS)}.")
     parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
@@ -646,7 +702,8 @@ def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
     for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
                  "lisa_interval_steps", "lora_r"):
         if getattr(preset, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(preset, name)} is invalid; allowed: an integer >= 1.")
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"{flag}={getattr(preset, name)} is invalid; allowed: an integer >= 1.")
     return preset, methods
 
 

@@ -2,7 +2,8 @@
 
 Everything here reads the report only, so a saved JSON can be re-rendered::
 
-    python -c "import json, benchmarks.report as r; print(r.render_markdown(json.load(open('benchmarks/results/X.json'))))"
+    import json, benchmarks.report as r
+    print(r.render_markdown(json.load(open("benchmarks/results/X.json"))))
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def render_markdown(report: dict) -> str:
         f"- **Command:** `{report['command']}` ({report['date']}, {report['total_seconds'] / 60:.1f} min in all)",
         f"- **Machine:** {device_line}; torch {versions.get('torch', '?')}, transformers "
         f"{versions.get('transformers', '?')}, peft {versions.get('peft', '?')}",
-        f"- **Model:** {first.get('model', preset['model'])} ({preset['dtype']}{', bf16 autocast' if preset['bf16'] else ''})"
+        f"- **Model:** {first.get('model', preset['model'])} "
+        f"({preset['dtype']}{', bf16 autocast' if preset['bf16'] else ''})"
         f", {_count(first.get('params', {}).get('total'))} parameters, "
         f"{first.get('inventory', {}).get('num_blocks', '?')} blocks",
         f"- **Data:** {first.get('data', preset['data'])}: {first.get('train_rows', '?')} training rows, "
@@ -145,7 +147,7 @@ def render_markdown(report: dict) -> str:
                      "comparable between methods.")
     lines.append("")
 
-    # -- main table ------------------------------------------------------------------------------------------------------
+    # -- main table ----------------------------------------------------------------------------------------------------
     last_eval_step = first.get("evals", [[None]])[-1][0] if first else None
     header = ["method", "trainable params", "s/step (median)", "CPU s/step", "tokens/s", mem_label, "floor (GiB)",
               "measured / floor", "opt. state max (MiB)", "opt. state final (MiB)", f"eval loss @{last_eval_step}",
@@ -193,7 +195,7 @@ def render_markdown(report: dict) -> str:
                      f"training; the untrained model scores {first['exact_match_before']:.3f}.")
     lines += [f"- {n}" for n in notes] + [""]
 
-    # -- ratios ----------------------------------------------------------------------------------------------------------
+    # -- ratios --------------------------------------------------------------------------------------------------------
     if "lora" in by_name or "full" in by_name:
         header = ["method"]
         refs = [ref for ref in ("lora", "full") if ref in by_name]
@@ -222,7 +224,7 @@ def render_markdown(report: dict) -> str:
         lines += ["## Eval loss at equal steps", ""] + _table(["method"] + [f"step {s}" for s in eval_steps], rows)
         lines += ["", f"![eval loss]({report.get('files', {}).get('eval_loss_plot', '')})", ""]
 
-    # -- optimizer state ---------------------------------------------------------------------------------------------------
+    # -- optimizer state -----------------------------------------------------------------------------------------------
     formulas = {
         "full": "every parameter",
         "lisa": "E+H+norm + γ blocks (E+H+γL)",
@@ -235,14 +237,17 @@ def render_markdown(report: dict) -> str:
         steps = r["steps"]
         kind = r["state_kind"]
         state = r["optimizer_state"]
+        switches = set(_switch_steps(r))
+        formula_ends = [steps[0]["expected_state_bytes"]]
+        if steps[-1]["expected_state_bytes"] != formula_ends[0]:
+            formula_ends.append(steps[-1]["expected_state_bytes"])
         rows.append([
             f"`{r['method']}`",
             formulas.get(kind, kind),
-            _mib(steps[0]["expected_state_bytes"]) + (f" → {_mib(steps[-1]['expected_state_bytes'])}"
-                                                     if steps[-1]["expected_state_bytes"] != steps[0]["expected_state_bytes"] else ""),
+            " → ".join(_mib(v) for v in formula_ends),
             f"{state['steps_equal_to_formula']}/{len(steps)}",
             f"{state['max_abs_diff_from_formula']:,}",
-            " → ".join(_mib(s["optimizer_state_bytes"]) for s in steps if s["step"] in _switch_steps(r) or s is steps[-1]),
+            " → ".join(_mib(s["optimizer_state_bytes"]) for s in steps if s["step"] in switches or s is steps[-1]),
         ])
     inv = first.get("inventory", {})
     lines += ["## Optimizer state: measured against the formula from parameter shapes", ""]
@@ -258,26 +263,32 @@ def render_markdown(report: dict) -> str:
             f"({_mib(inv['outside_base_state_bytes'])} MiB of AdamW state), one block = {_count(inv['block_params'])} "
             f"({_mib(inv['block_state_bytes'])} MiB), so LISA's E+H+{gamma}L = "
             f"{_mib(inv['outside_base_state_bytes'] + gamma * inv['block_state_bytes'])} MiB; all "
-            f"{inv['num_blocks']} blocks + E+H = {_mib(inv['outside_base_state_bytes'] + inv['num_blocks'] * inv['block_state_bytes'])} MiB.",
+            f"{inv['num_blocks']} blocks + E+H = "
+            f"{_mib(inv['outside_base_state_bytes'] + inv['num_blocks'] * inv['block_state_bytes'])} MiB.",
         ]
     lines += ["", f"![optimizer state]({report.get('files', {}).get('optimizer_state_plot', '')})", ""]
 
-    # -- floors ------------------------------------------------------------------------------------------------------------
+    # -- floors --------------------------------------------------------------------------------------------------------
     rows = []
     for r in ok:
         fl = r["floor"]
+        probe = fl.get("activation_probe") or {}
         rows.append([
             f"`{r['method']}`", _mib(fl["weights_bytes"]), _mib(fl["grad_bytes"]), _mib(fl["optimizer_state_bytes"]),
             _mib(fl["activation_bytes"]), _mib(fl["total_bytes"]), _mib(memory_over_baseline(r)),
             _x(ratio(memory_over_baseline(r), fl["total_bytes"])),
+            (f"{_mib(probe['measured_bytes'])} / {_mib(probe['estimate_bytes'])} (step {probe['step']})"
+             if probe else "–"),
         ])
     measured_label = "CUDA peak (MiB)" if on_gpu else "peak RSS − baseline (MiB)"
     lines += ["## Theoretical floor (MiB)", ""]
     lines += _table(["method", "weights", "grads", "AdamW state", "activations (est.)", "floor", measured_label,
-                     "measured / floor"], rows)
+                     "measured / floor", "saved by autograd / estimate, one step"], rows)
     if first:
         lines += ["", f"Activation estimate ({first['floor']['activation_dtype_bytes']} bytes per value), the largest "
-                  f"over the run's steps: {first['floor']['activation_formula']}"]
+                  f"over the run's steps: {first['floor']['activation_formula']} The last column checks it in one "
+                  "step: the storages autograd saved for the backward pass (parameters excluded, shared storage "
+                  "once, via `torch.autograd.graph.saved_tensors_hooks`) against the estimate for that step's batch."]
         if not on_gpu:
             baseline = first["memory"].get("rss_before_model_bytes")
             lines += ["", f"Baseline RSS before the model was loaded (Python, torch, data): {_gib(baseline)} GiB."]
@@ -287,14 +298,16 @@ def render_markdown(report: dict) -> str:
     rows = []
     for r in ok:
         t = r["timing"]
+        load = t.get("load_average") or [None, None]
         rows.append([f"`{r['method']}`", _f(t["setup_seconds"], 1), _f(t["train_seconds"], 1),
-                     _f(r.get("exact_match_seconds"), 1), _f(t["wall_seconds"], 1)])
+                     _f(r.get("exact_match_seconds"), 1), _f(t["wall_seconds"], 1),
+                     " → ".join(_f(v, 2) for v in load)])
     lines += ["## Where the time went (s)", ""]
     lines += _table(["method", "setup (freezing, sparse-mask calibration)", "training (steps + evals)",
-                     "exact-match generation", "process total"], rows)
+                     "exact-match generation", "process total", "machine load average (start → end)"], rows)
     lines.append("")
 
-    # -- findings ----------------------------------------------------------------------------------------------------------
+    # -- findings ------------------------------------------------------------------------------------------------------
     lines += ["## Findings (computed from this run)", ""] + [f"- {s}" for s in findings(report)] + [""]
     return "\n".join(lines)
 
@@ -316,7 +329,8 @@ def findings(report: dict) -> list[str]:
         line = (f"`lisa-naive`'s optimizer state grows from {_mib(steps[0]['optimizer_state_bytes'])} to "
                 f"{_mib(steps[-1]['optimizer_state_bytes'])} MiB over {len(_switch_steps(naive))} active sets")
         if full:
-            line += (f", {100 * steps[-1]['optimizer_state_bytes'] / full['optimizer_state']['max_bytes']:.0f}% of full "
+            share = steps[-1]["optimizer_state_bytes"] / full["optimizer_state"]["max_bytes"]
+            line += (f", {100 * share:.0f}% of full "
                      f"fine-tuning's {_mib(full['optimizer_state']['max_bytes'])} MiB; it reaches 100% once every "
                      "block has been sampled")
         out.append(line + ".")
@@ -337,6 +351,21 @@ def findings(report: dict) -> list[str]:
             verdict = "better" if rr < 0.995 else "worse" if rr > 1.005 else "equal"
             parts.append(f"{label} {rr:.2f}× ({verdict})")
         out.append(f"`{name}` vs `{ref_name}`: " + ", ".join(parts) + ".")
+    dense, sparse = ok.get("lisa-adapter"), ok.get("lisa-adapter-sparse")
+    if dense and sparse:
+        md, ms = metrics(dense), metrics(sparse)
+        out.append(
+            f"`lisa-adapter-sparse` vs `lisa-adapter`: step time {_x(ratio(ms['step_time'], md['step_time']))}, peak "
+            f"memory {_x(ratio(ms['peak_memory'], md['peak_memory']))}. The sparse path materialises M ⊙ (B A) for "
+            "every adapted linear in every forward pass (one more weight-sized matmul per layer), and autograd keeps "
+            "it in every block the backward pass crosses; the dense path is LoRA's two thin matmuls."
+        )
+    probes = [(r["method"], r["floor"].get("activation_probe") or {}) for r in ok]
+    devs = [(m, p["measured_bytes"] / p["estimate_bytes"] - 1) for m, p in probes if p.get("estimate_bytes")]
+    if devs:
+        worst = max(devs, key=lambda d: abs(d[1]))
+        out.append(f"The activation estimate matches what autograd saved in the probed step within "
+                   f"{100 * abs(worst[1]):.1f}% for every method (largest deviation: `{worst[0]}`).")
     return out
 
 

@@ -29,7 +29,7 @@ def adamw_state_bytes(params: Iterable[torch.Tensor]) -> int:
     Example:
         >>> import torch
         >>> adamw_state_bytes([torch.zeros(10), torch.zeros(2, 3)])
-        152
+        136
     """
     return sum(2 * p.numel() * p.element_size() + ADAMW_STEP_BYTES for p in params)
 
@@ -167,14 +167,16 @@ def expected_state_bytes(
 # Activations
 # ----------------------------------------------------------------------------------------------------------------------
 ACTIVATION_FORMULA = (
-    "per token, in the activation dtype: a block whose weights train saves 4h + 2q + 2kv + 4i values (norm inputs and "
-    "outputs, rotated q/k, v, attention output, gate, up, silu(gate), gate*up); a block whose weights are frozen "
-    "saves 2h + 2q + 2kv + 3i (the linear inputs are only needed for weight gradients); a block whose adapters train "
-    "saves the frozen set plus the adapted linears' inputs (2h + i) and r values per adapted linear; a sparse adapter "
-    "also keeps its materialised M*(BA) weight; layer interpolation keeps h more per block; blocks below the lowest "
-    "block with a trainable parameter save nothing when nothing below them trains. Plus 2h for the final norm and 2V "
-    "fp32 values (logits and log-softmax). Flash-style attention (no T x T matrix) assumed; h, q = heads*head_dim, "
-    "kv = kv_heads*head_dim, i, V from the model config."
+    "values saved for the backward pass, per token: a block whose weights train saves 6h + 2q + 2kv + 4i (each "
+    "RMSNorm its input, normalised input and output; rotated q and k, v, the attention output; gate, up, silu(gate), "
+    "gate*up); a block whose weights are frozen saves 2h + 2q + 2kv + 3i (no normalised inputs, no linear inputs: "
+    "those only serve weight gradients); a block whose adapters train saves the frozen set plus the adapted linears' "
+    "inputs, 2h + i, and r values per adapted linear; layer interpolation adds h per block. Blocks the backward pass "
+    "never enters (below every trainable parameter) save nothing. A sparse LISA adapter materialises M*(BA) per "
+    "adapted linear: every block the backward pass crosses keeps it (4 bytes per weight element), a training one also "
+    "its boolean mask (1 byte). The head: 3h if it trains, else h, plus V fp32 values (the log-softmax of the loss). "
+    "h, q = heads*head_dim, kv = kv_heads*head_dim, i, V from the model config; flash attention assumed (CPU and CUDA "
+    "SDPA save no T x T matrix)."
 )
 
 
@@ -194,50 +196,56 @@ def activation_bytes(
     act_bytes: int = 4,
     adapter_rank: int = 0,
     adapted_linears: int = 7,
-    sparse_delta_bytes: int = 0,
+    sparse_delta_elements: int = 0,
     interpolation: bool = False,
+    head_trains: bool = True,
 ) -> int:
-    """Estimate the bytes of saved activations of one forward pass over ``tokens`` tokens (formula:
-    :data:`ACTIVATION_FORMULA`).
+    """Estimate the bytes autograd saves for the backward pass of one batch of ``tokens`` tokens
+    (:data:`ACTIVATION_FORMULA`).
 
     Args:
         config: the model config (hidden_size, intermediate_size, heads, kv heads, vocab size).
         tokens: tokens in the batch, padding included.
         block_kinds: per block, ``"train"`` (weights train), ``"frozen"``, ``"adapter"`` (adapters train),
-            ``"adapter-sparse"`` (a sparse adapter trains) or ``"none"`` (no backward reaches it).
+            ``"adapter-sparse"`` (a sparse adapter trains), ``"frozen-sparse"`` (a frozen sparse adapter the backward
+            pass crosses) or ``"none"`` (no backward reaches it).
         act_bytes: bytes per activation value (4 in fp32, 2 under bf16 autocast).
         adapter_rank: r of the adapters.
         adapted_linears: adapted linear layers per block (7 for a llama block with all-linear targets).
-        sparse_delta_bytes: bytes of one block's materialised sparse ``M ⊙ (B A)`` weights (``"adapter-sparse"``).
+        sparse_delta_elements: weight elements of one block's adapted linears (the materialised ``M ⊙ (B A)``).
         interpolation: layer interpolation on (h more per block).
+        head_trains: the LM head is trainable (its input, the final norm's normalised input and output are saved).
 
     Example:
         >>> from transformers import LlamaConfig
         >>> config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
         ...                      vocab_size=32)
-        >>> activation_bytes(config, tokens=1, block_kinds=["train"], act_bytes=1)  # 4*8 + 2*8 + 2*4 + 4*16, + 2*8 + 2*32*4
-        392
+        >>> # (6*8 + 2*8 + 2*4 + 4*16) values for the block, 3*8 for the head, 1 byte each; 32 fp32 log-probabilities
+        >>> activation_bytes(config, tokens=1, block_kinds=["train"], act_bytes=1)
+        288
     """
     d = _config_dims(config)
     h, q, kv, i, vocab = d["h"], d["q"], d["kv"], d["i"], d["V"]
     frozen = 2 * h + 2 * q + 2 * kv + 3 * i
-    per_kind = {
-        "train": 4 * h + 2 * q + 2 * kv + 4 * i,
+    adapter_inputs = 2 * h + i
+    per_token = {
+        "train": 6 * h + 2 * q + 2 * kv + 4 * i,
         "frozen": frozen,
-        "adapter": frozen + 2 * h + i + adapter_rank * adapted_linears,
-        "adapter-sparse": frozen + 2 * h + i + adapter_rank * adapted_linears,
+        "adapter": frozen + adapter_inputs + adapter_rank * adapted_linears,
+        "adapter-sparse": frozen + adapter_inputs,
+        "frozen-sparse": frozen,
         "none": 0,
     }
-    values = 0
-    extra = 0
+    per_block = {"adapter-sparse": 5 * sparse_delta_elements, "frozen-sparse": 4 * sparse_delta_elements}
+    values = 3 * h if head_trains else h
+    fixed = 0
     for kind in block_kinds:
-        if kind not in per_kind:
-            raise ValueError(f"block kind {kind!r} is invalid; allowed: {sorted(per_kind)}.")
-        values += per_kind[kind] + (h if interpolation and kind != "none" else 0)
-        if kind == "adapter-sparse":
-            extra += sparse_delta_bytes
-    values += 2 * h
-    return tokens * (values * act_bytes + 2 * vocab * 4) + extra
+        if kind not in per_token:
+            raise ValueError(f"block kind {kind!r} is invalid; allowed: {sorted(per_token)}.")
+        # interpolation: alpha_l * f_l keeps f_l in every block, whether or not the backward pass enters the block
+        values += per_token[kind] + (h if interpolation else 0)
+        fixed += per_block.get(kind, 0)
+    return tokens * (values * act_bytes + vocab * 4) + fixed
 
 
 def block_kinds_for(kind: str, num_blocks: int, active: Sequence[int], sparse: bool = False,
@@ -252,8 +260,13 @@ def block_kinds_for(kind: str, num_blocks: int, active: Sequence[int], sparse: b
         kinds = ["train" if b in active else "frozen" for b in range(num_blocks)]
         lowest = 0 if embeddings_train else min(active, default=num_blocks)
     elif kind == "lisa-adapter":
-        kinds = [("adapter-sparse" if sparse else "adapter") if b in active else "frozen" for b in range(num_blocks)]
-        lowest = 0 if interpolation else min(active, default=num_blocks)
+        frozen = "frozen-sparse" if sparse else "frozen"
+        kinds = [("adapter-sparse" if sparse else "adapter") if b in active else frozen for b in range(num_blocks)]
+        # interpolation scalars of block b-1 sit on block b's input, so the backward pass enters every block but
+        # block 0 (whose own scalars sit on its output)
+        lowest = min(active, default=num_blocks)
+        if interpolation:
+            lowest = min(lowest, 1)
     else:
         raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lora, lisa-adapter.")
     return ["none" if b < lowest else k for b, k in enumerate(kinds)]

@@ -53,7 +53,8 @@ def tiny_setup(tmp_path_factory):
 def common_args(model_dir, data, out, steps=STEPS):
     return ["--model", model_dir, "--data", data, "--steps", str(steps), "--batch-size", "2", "--seq-len", "64",
             "--eval-every", "2", "--eval-samples", "4", "--lisa-interval-steps", str(K), "--lisa-activated-layers",
-            str(GAMMA), "--lora-r", str(RANK), "--timing-warmup-steps", "1", "--output-dir", str(out), "--name", "smoke"]
+            str(GAMMA), "--lora-r", str(RANK), "--timing-warmup-steps", "1", "--output-dir", str(out),
+            "--name", "smoke"]
 
 
 def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_it(tiny_setup):
@@ -102,6 +103,10 @@ def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_
         assert floor["total_bytes"] == (floor["weights_bytes"] + floor["grad_bytes"] + floor["optimizer_state_bytes"]
                                         + floor["activation_bytes"])
         assert r["timing"]["median_step_seconds"] > 0 and r["timing"]["tokens_per_second"] > 0
+        # the activation estimate from the config against what autograd actually saved in one step
+        probe = floor["activation_probe"]
+        assert probe["step"] == 2, probe
+        assert abs(probe["measured_bytes"] / probe["estimate_bytes"] - 1) < 0.1, (r["method"], probe)
 
     # outputs: the markdown is the JSON rendered, and it carries the numbers checked above
     paths = report["paths"]
@@ -111,7 +116,8 @@ def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_
         saved = json.load(f)
     markdown = Path(paths["markdown"]).read_text()
     assert render_markdown(saved) == markdown
-    assert f"| `lisa` | E+H+norm + γ blocks (E+H+γL) | {(eh + GAMMA * block) / 2**20:.3f} | {STEPS}/{STEPS} | 0 |" in markdown
+    lisa_mib = (eh + GAMMA * block) / 2**20
+    assert f"| `lisa` | E+H+norm + γ blocks (E+H+γL) | {lisa_mib:.3f} | {STEPS}/{STEPS} | 0 |" in markdown
     ratio_row = next(line for line in markdown.splitlines() if line.startswith("| `lora` | 1.00× |"))
     assert ratio_row.count("|") == 12  # method + 5 metrics × (vs lora, vs full)
     assert "exactly the E+H+γL optimizer state at 4 of 4 steps" in markdown
