@@ -360,7 +360,7 @@ def findings(report: dict) -> list[str]:
             "every adapted linear in every forward pass (one more weight-sized matmul per layer), and autograd keeps "
             "it in every block the backward pass crosses; the dense path is LoRA's two thin matmuls."
         )
-    probes = [(r["method"], r["floor"].get("activation_probe") or {}) for r in ok]
+    probes = [(r["method"], r["floor"].get("activation_probe") or {}) for r in ok.values()]
     devs = [(m, p["measured_bytes"] / p["estimate_bytes"] - 1) for m, p in probes if p.get("estimate_bytes")]
     if devs:
         worst = max(devs, key=lambda d: abs(d[1]))
