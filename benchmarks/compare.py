@@ -185,6 +185,7 @@ def _make_recorder(inventory, kind: str, config, schedule, device, estimate_kwar
                 adapter_rank=estimate_kwargs["adapter_rank"],
                 sparse_delta_elements=estimate_kwargs["sparse_delta_elements"],
                 interpolation=estimate_kwargs["interpolation"], head_trains=estimate_kwargs["head_trains"],
+                padded=self.padded_tokens > self.tokens,
             )
             if state.global_step == self.probe_step and self._probe_storages:
                 self.probe = {"step": state.global_step, "measured_bytes": sum(self._probe_storages.values()),

@@ -167,16 +167,18 @@ def expected_state_bytes(
 # Activations
 # ----------------------------------------------------------------------------------------------------------------------
 ACTIVATION_FORMULA = (
-    "values saved for the backward pass, per token: a block whose weights train saves 6h + 2q + 2kv + 4i (each "
-    "RMSNorm its input, normalised input and output; rotated q and k, v, the attention output; gate, up, silu(gate), "
-    "gate*up); a block whose weights are frozen saves 2h + 2q + 2kv + 3i (no normalised inputs, no linear inputs: "
+    "values saved for the backward pass, per token: a block whose weights train saves 6h + 2q + 2kv + a + 4i (each "
+    "RMSNorm its input, normalised input and output; rotated q and k, v, the attention output and its log-sum-exp; "
+    "gate, up, silu(gate), gate*up); a block whose weights are frozen saves 2h + 2q + 2kv + a + 3i (no normalised "
+    "inputs, no linear inputs: "
     "those only serve weight gradients); a block whose adapters train saves the frozen set plus the adapted linears' "
     "inputs, 2h + i, and r values per adapted linear; layer interpolation adds h per block. Blocks the backward pass "
     "never enters (below every trainable parameter) save nothing. A sparse LISA adapter materialises M*(BA) per "
     "adapted linear: every block the backward pass crosses keeps it (4 bytes per weight element), a training one also "
     "its boolean mask (1 byte). The head: 3h if it trains, else h, plus V fp32 values (the log-softmax of the loss). "
-    "h, q = heads*head_dim, kv = kv_heads*head_dim, i, V from the model config; flash attention assumed (CPU and CUDA "
-    "SDPA save no T x T matrix)."
+    "h, a = heads, q = heads*head_dim, kv = kv_heads*head_dim, i, V from the model config; kv becomes q in steps whose "
+    "batch is padded (transformers repeats k and v for SDPA when there is a mask); flash attention assumed (CPU and "
+    "CUDA SDPA save no T x T matrix)."
 )
 
 
@@ -186,7 +188,7 @@ def _config_dims(config) -> dict[str, int]:
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     i = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
-    return {"h": h, "q": heads * head_dim, "kv": kv_heads * head_dim, "i": i, "V": config.vocab_size}
+    return {"h": h, "a": heads, "q": heads * head_dim, "kv": kv_heads * head_dim, "i": i, "V": config.vocab_size}
 
 
 def activation_bytes(
@@ -199,6 +201,7 @@ def activation_bytes(
     sparse_delta_elements: int = 0,
     interpolation: bool = False,
     head_trains: bool = True,
+    padded: bool = False,
 ) -> int:
     """Estimate the bytes autograd saves for the backward pass of one batch of ``tokens`` tokens
     (:data:`ACTIVATION_FORMULA`).
@@ -215,21 +218,24 @@ def activation_bytes(
         sparse_delta_elements: weight elements of one block's adapted linears (the materialised ``M ⊙ (B A)``).
         interpolation: layer interpolation on (h more per block).
         head_trains: the LM head is trainable (its input, the final norm's normalised input and output are saved).
+        padded: the batch has padding, so there is an attention mask and transformers' SDPA path repeats k and v to
+            the query heads (grouped-query attention then saves them at q's size).
 
     Example:
         >>> from transformers import LlamaConfig
         >>> config = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
         ...                      vocab_size=32)
-        >>> # (6*8 + 2*8 + 2*4 + 4*16) values for the block, 3*8 for the head, 1 byte each; 32 fp32 log-probabilities
+        >>> # block: 6*8 + 2*8 + 2*4 + 2 + 4*16 values; head: 3*8 (1 byte each); 32 fp32 log-probabilities
         >>> activation_bytes(config, tokens=1, block_kinds=["train"], act_bytes=1)
-        288
+        290
     """
     d = _config_dims(config)
-    h, q, kv, i, vocab = d["h"], d["q"], d["kv"], d["i"], d["V"]
-    frozen = 2 * h + 2 * q + 2 * kv + 3 * i
+    h, a, q, i, vocab = d["h"], d["a"], d["q"], d["i"], d["V"]
+    kv = q if padded else d["kv"]
+    frozen = 2 * h + 2 * q + 2 * kv + a + 3 * i
     adapter_inputs = 2 * h + i
     per_token = {
-        "train": 6 * h + 2 * q + 2 * kv + 4 * i,
+        "train": 6 * h + 2 * q + 2 * kv + a + 4 * i,
         "frozen": frozen,
         "adapter": frozen + adapter_inputs + adapter_rank * adapted_linears,
         "adapter-sparse": frozen + adapter_inputs,
