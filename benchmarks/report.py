@@ -81,7 +81,9 @@ def _gib(n: Optional[float]) -> str:
 
 
 def _x(value: Optional[float]) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}×"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.2f}×" if value >= 0.01 else f"{value:.2g}×"
 
 
 def _f(value: Optional[float], digits: int = 4) -> str:
