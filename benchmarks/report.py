@@ -9,7 +9,7 @@ Everything here reads the report only, so a saved JSON can be re-rendered::
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 MIB = 2**20
 GIB = 2**30
