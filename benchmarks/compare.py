@@ -253,14 +253,10 @@ def _schedule_reader(callbacks: list, inventory) -> Any:
 
 
 def _bundled_task_files(n_train: int = 2000) -> tuple[str, str]:
-    """The bundled arithmetic task, written once into the cache that ``hf-lisa train`` uses."""
-    from hf_lisa import demo_task
-    from hf_lisa.models import cache_dir
+    """The bundled arithmetic task, from the same cache that ``hf-lisa train`` uses."""
+    from hf_lisa.demo_task import cached_dataset_files
 
-    directory = cache_dir() / "demo_task" / f"n{n_train}"
-    if not (directory / "validation.jsonl").exists():
-        demo_task.write_demo_dataset(directory, n_train=n_train)
-    return str(directory / "train.jsonl"), str(directory / "validation.jsonl")
+    return cached_dataset_files(n_train)
 
 
 def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False) -> dict:

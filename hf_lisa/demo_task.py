@@ -144,3 +144,17 @@ def extract_answer(text: str, lenient: bool = True) -> Optional[str]:
         numbers = _NUMBER_RE.findall(text)
         return numbers[-1] if numbers else None
     return None
+
+
+def cached_dataset_files(n_train: int) -> tuple[str, str]:
+    """``(train.jsonl, validation.jsonl)`` of the bundled task, written once into hf-lisa's cache directory.
+
+    The directory name carries :data:`TASK_VERSION`, so a changed generator never reuses stale files. Shared by
+    ``hf-lisa train`` and the benchmark, so that both train on the same files.
+    """
+    from .models import cache_dir
+
+    directory = cache_dir() / "demo_task" / f"v{TASK_VERSION}-n{n_train}"
+    if not (directory / "validation.jsonl").exists():
+        write_demo_dataset(directory, n_train=n_train)
+    return str(directory / "train.jsonl"), str(directory / "validation.jsonl")

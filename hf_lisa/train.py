@@ -1009,14 +1009,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     # -- data ----------------------------------------------------------------------------------------------------------
     bundled = data_args.train_file is None and data_args.dataset_name is None
     if bundled:
-        from .models import cache_dir
-
-        directory = cache_dir() / "demo_task" / f"v{demo_task.TASK_VERSION}-n{data_args.demo_train_samples}"
         with training_args.main_process_first(desc="writing the bundled task"):
-            if not (directory / "validation.jsonl").exists():
-                demo_task.write_demo_dataset(directory, n_train=data_args.demo_train_samples)
-        data_args.train_file = str(directory / "train.jsonl")
-        data_args.validation_file = str(directory / "validation.jsonl")
+            data_args.train_file, data_args.validation_file = demo_task.cached_dataset_files(
+                data_args.demo_train_samples
+            )
         if data_args.answer_pattern is None:
             data_args.answer_pattern = r"####\s*(-?\d+)"
         if data_args.eval_generation_samples is None:
