@@ -11,12 +11,16 @@ from typing import Optional, Sequence
 from torch import nn
 
 # Attribute paths of the block lists of common architectures, relative to the bare transformers model.
-# Several paths may apply (T5 has an encoder and a decoder stack); all that exist are used, in this order.
+# Several paths may apply (T5 and BART have an encoder and a decoder stack); all that exist are used, in this order.
+# The order is the order of the blocks from input to output, which layer-wise LR decay relies on: an encoder path
+# must come before the decoder path of the same model.
 KNOWN_BLOCK_PATHS: tuple[str, ...] = (
     "model.layers",  # llama, mistral, qwen2, gemma, phi3 (CausalLM)
     "layers",  # llama-family base models (LlamaModel)
-    "model.decoder.layers",  # opt (CausalLM), bart decoder
-    "decoder.layers",  # opt base model
+    "model.encoder.layers",  # bart, mbart, whisper encoder (ForConditionalGeneration)
+    "model.decoder.layers",  # opt (CausalLM), bart/mbart decoder
+    "encoder.layers",  # bart, mbart base model encoder
+    "decoder.layers",  # opt base model, bart/mbart base model decoder
     "transformer.h",  # gpt2, gpt-j, bloom (CausalLM)
     "h",  # gpt2 base model
     "gpt_neox.layers",  # gpt-neox, pythia
@@ -25,7 +29,6 @@ KNOWN_BLOCK_PATHS: tuple[str, ...] = (
     "encoder.layer",  # bert base model
     "encoder.block",  # t5 encoder
     "decoder.block",  # t5 decoder
-    "model.encoder.layers",  # bart encoder
 )
 
 

@@ -59,15 +59,21 @@ class LisaConfig(PeftConfig):
         block_size (`tuple[int, int]`, defaults to `(2, 2)`): block shape (out, in) for `"block"`.
         n_m (`tuple[int, int]`, defaults to `(2, 4)`): keep n of every m inputs for `"n:m"`; ρ must be `1 - n/m`.
         mask_init (`str`, defaults to `"importance"`): how `M` is chosen: `|∂L/∂W|` (selected by the scheduler
-            callback from calibration batches; magnitude until then), `|W|`, seeded random, or dense.
+            callback from the first `importance_steps` training steps of a fresh adapter, through the trainer's own
+            loss; magnitude until then), `|W|`, seeded random, or dense.
         mask_seed (`int`, defaults to `0`): seed of the `"random"` mask.
         mask_update_interval (`int`, defaults to `1000`): re-select `M` every this many optimizer steps; 0 never.
-        importance_steps (`int`, defaults to `8`): batches over which importance is accumulated before a selection.
+        importance_steps (`int`, defaults to `8`): optimizer steps over which importance is accumulated before a
+            selection (capped at `lisa_interval_steps - 1` under layerwise sampling).
+        mask_keep_learned (`float`, defaults to `1.0`): weight of `|ΔW|` beside `|∂L/∂W|` in the re-selection score;
+            0 scores by the gradient alone.
         new_block_bonus (`float`, defaults to `0.5`): bonus (× mean kept score) for cells switched on at the previous
             update.
         layer_interpolation (`bool`, defaults to `False`): learn ``h_l = α_l f_l(h_{l-1}) + β_l`` per block.
-        interpolation_delta_bound (`float`, defaults to `5.0`): `α = exp(δ)` with δ clamped to ±bound.
-        interpolation_beta_l2 (`float`, defaults to `0.01`): λ of the penalty λ·Σβ² added to the training loss.
+        interpolation_delta_bound (`float`, defaults to `5.0`): `α = exp(δ)` with δ kept within ±bound (the
+            scheduler callback projects δ back after every optimizer step, so its gradient stays live).
+        interpolation_beta_l2 (`float`, defaults to `0.01`): λ of the penalty λ·Σβ², applied once per optimizer step
+            as the gradient 2λβ by the scheduler callback (added to the loss in a plain training loop).
         lisa_activated_layers (`int`, defaults to `0`): γ, blocks whose adapters train at a time; 0 trains all.
         lisa_interval_steps (`int`, defaults to `20`): K, optimizer steps between block switches.
         lisa_sampling (`str`, defaults to `"uniform"`): `"uniform"`, `"importance"` or `"cyclic"`.
@@ -144,7 +150,14 @@ class LisaConfig(PeftConfig):
         default=1000, metadata={"help": "Re-select M every this many optimizer steps (seed 000); 0 disables."}
     )
     importance_steps: int = field(
-        default=8, metadata={"help": "Number of batches over which |dL/dW| is accumulated before each selection."}
+        default=8, metadata={"help": "Optimizer steps over which |dL/dW| is accumulated before each selection."}
+    )
+    mask_keep_learned: float = field(
+        default=1.0,
+        metadata={
+            "help": "Weight of |delta W| (what the adapter has learned) beside |dL/dW| in the re-selection score, each "
+            "normalised by its mean; 0 scores by the gradient alone."
+        },
     )
     new_block_bonus: float = field(
         default=0.5,
@@ -239,6 +252,8 @@ class LisaConfig(PeftConfig):
             need(self.mask_update_interval >= self.importance_steps, "mask_update_interval",
                  self.mask_update_interval, f">= importance_steps ({self.importance_steps}), or 0")
         need(self.new_block_bonus >= 0, "new_block_bonus", self.new_block_bonus, ">= 0")
+        need(isinstance(self.mask_keep_learned, (int, float)) and self.mask_keep_learned >= 0, "mask_keep_learned",
+             self.mask_keep_learned, "a float >= 0")
         need(self.interpolation_delta_bound > 0, "interpolation_delta_bound", self.interpolation_delta_bound, "> 0")
         need(self.interpolation_beta_l2 >= 0, "interpolation_beta_l2", self.interpolation_beta_l2, ">= 0")
         need(is_int(self.lisa_activated_layers) and self.lisa_activated_layers >= 0, "lisa_activated_layers",

@@ -596,6 +596,8 @@ def _ddp_callback(handler, trainer):
     class LisaDDPCallback(TrainerCallback):
         """Keeps the Trainer's DDP wrap honest and logs ``ddp/grad_bytes_per_step`` / ``ddp/grad_bytes_full``."""
 
+        _hf_lisa_engine_callback = True
+
         def _unmark_evaluation_prepare(self) -> None:
             # accelerate (1.15) flags a model prepared for evaluation -- which is not wrapped in DDP -- as prepared,
             # and train() then skips the DDP wrap: trainer.evaluate() before trainer.train() would leave the ranks
@@ -637,6 +639,8 @@ def _fsdp2_fix_callback():
     class Fsdp2UnfreezeFixCallback(TrainerCallback):
         """Installs :func:`install_fsdp2_unfreeze_fix` on the FSDP2-wrapped model before the LISA callbacks freeze."""
 
+        _hf_lisa_engine_callback = True
+
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is not None:
                 install_fsdp2_unfreeze_fix(model)
@@ -674,6 +678,16 @@ def configure_trainer_for_lisa(
         >>> trainer.train()  # doctest: +SKIP
         ```
     """
+    # a second call (hf-lisa train after the callbacks' own call from on_init_end, or user code) replaces the first
+    trainer.callback_handler.callbacks[:] = [
+        cb for cb in trainer.callback_handler.callbacks if not getattr(cb, "_hf_lisa_engine_callback", False)
+    ]
+    handler = _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_start_iter, active_set_sync)
+    trainer._hf_lisa_configured = True
+    return handler
+
+
+def _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_start_iter, active_set_sync):
     from accelerate.utils import DistributedType
 
     args = trainer.args
@@ -681,7 +695,7 @@ def configure_trainer_for_lisa(
     name = _normalise_comm_hook(comm_hook)
     distributed_type = accelerator.distributed_type
     if getattr(trainer, "is_fsdp_enabled", False):
-        trainer.add_callback(_fsdp2_fix_callback())
+        trainer.callback_handler.callbacks.insert(0, _fsdp2_fix_callback())  # before the LISA callbacks freeze
         if name != "none":
             warnings.warn(f"ddp_comm_hook={comm_hook!r} is ignored under FSDP (DDP communication hooks only).")
         return None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,10 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_mask_spec: dict[str, dict[str, Any]] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
-        # importance accumulation (|dL/dW| pooled on the selection grid), driven by the mask scheduler
+        # importance accumulation, driven by the mask scheduler: the signed dL/dW of the current optimizer step
+        # (summed over its micro-batches), and |.| of each step's sum pooled on the selection grid
         self.lisa_track_importance = False
+        self.lisa_grad_sum: dict[str, torch.Tensor] = {}
         self.lisa_importance: dict[str, torch.Tensor] = {}
         self._mask_cache: dict[str, tuple[tuple, torch.Tensor]] = {}
         in_features, out_features = _get_in_out_features(self.get_base_layer())
@@ -87,7 +90,12 @@ class LisaLayer(BaseTunerLayer):
                 "n_m": tuple(config.n_m),
                 "mask_init": config.mask_init,
             }
-            self.set_mask(adapter_name, self._initial_mask(adapter_name, config, module_key))
+            if self.lisa_A[adapter_name].weight.is_meta or self.get_base_layer().weight.is_meta:
+                # low_cpu_mem_usage / meta-device init: nothing real to score yet, and the state dict usually brings
+                # the mask. Keep an empty placeholder of the saved shape; _resolve_mask_placeholder fills it otherwise
+                self._add_mask_placeholder(adapter_name, config, module_key)
+            else:
+                self.set_mask(adapter_name, self._initial_mask(adapter_name, config, module_key))
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
@@ -132,16 +140,80 @@ class LisaLayer(BaseTunerLayer):
                 raise ValueError("mask is not made of whole blocks of block_size")
         packed = M.pack_mask(grid.cpu())
         old = self.lisa_mask[adapter_name] if adapter_name in self.lisa_mask else None
-        if old is not None and old.shape == packed.shape:
+        if old is not None and old.shape == packed.shape and not old.is_meta:
             old.copy_(packed.to(old.device))  # in place: DDP/FSDP keep seeing the same buffer
         else:
-            device = self.lisa_A[adapter_name].weight.device if adapter_name in self.lisa_A else None
-            self.lisa_mask[adapter_name] = packed.to(device) if device is not None else packed
+            # a meta placeholder cannot hold data (copy_ into it is a silent no-op): replace it
+            self.lisa_mask[adapter_name] = packed.to(self._mask_device(adapter_name))
+        self._mask_placeholders().pop(adapter_name, None)
+
+    def _mask_device(self, adapter_name: str) -> torch.device:
+        """Where a new mask goes: beside the adapter's weights, else the base weight, never the meta device."""
+        candidates = [self.get_base_layer().weight.device]
+        if adapter_name in self.lisa_A:
+            candidates.insert(0, self.lisa_A[adapter_name].weight.device)
+        return next((d for d in candidates if d.type != "meta"), torch.device("cpu"))
+
+    # -- masks on the meta device (low_cpu_mem_usage=True, meta-initialised models) --------------------------------------
+    def _mask_placeholders(self) -> dict[str, tuple[LisaConfig, str]]:
+        """``adapter -> (config, module_key)`` of masks that are still empty placeholders on the meta device."""
+        if "_lisa_mask_placeholders" not in self.__dict__:
+            self._lisa_mask_placeholders = {}
+        return self._lisa_mask_placeholders
+
+    def _add_mask_placeholder(self, adapter_name: str, config: LisaConfig, module_key: str) -> None:
+        # the packed shape must be the saved one, or PEFT and transformers report the mask as mismatched and drop it
+        spec = self.lisa_mask_spec[adapter_name]
+        grid = M.grid_shape((self.out_features, self.in_features), spec["structure"], spec["block_size"])
+        self.lisa_mask[adapter_name] = torch.empty(M.packed_size(grid), dtype=torch.uint8, device="meta")
+        self._mask_placeholders()[adapter_name] = (config, module_key)
+
+    def _resolve_mask_placeholder(self, adapter_name: str) -> bool:
+        """Give a placeholder that no state dict filled the mask the injection would have computed, once the adapter
+        and base weights are real. Returns whether a mask was computed."""
+        packed = self.lisa_mask[adapter_name] if adapter_name in self.lisa_mask else None
+        pending = self._mask_placeholders().get(adapter_name)
+        if packed is None or pending is None:
+            return False
+        if not packed.is_meta:  # filled by a state dict load
+            del self._mask_placeholders()[adapter_name]
+            return False
+        if self.lisa_A[adapter_name].weight.is_meta or self.get_base_layer().weight.is_meta:
+            return False
+        self.set_mask(adapter_name, self._initial_mask(adapter_name, *pending))
+        return True
+
+    @contextmanager
+    def detached_mask_placeholders(self) -> Iterator[None]:
+        """Take meta mask placeholders out of ``lisa_mask`` for the duration of a PEFT device move.
+
+        PEFT moves an adapter module unless it holds meta *parameters*; the mask dict holds a buffer, so ``.to()``
+        would try to copy the placeholder ("Cannot copy out of meta tensor") instead of leaving it for the state dict.
+        """
+        placeholders = {name: packed for name, packed in self.lisa_mask.items() if packed.is_meta}
+        for name in placeholders:
+            del self.lisa_mask[name]
+        try:
+            yield
+        finally:
+            for name, packed in placeholders.items():
+                self.lisa_mask[name] = packed
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Optional[torch.device] = None) -> None:
+        # resolve a placeholder if the weights are real by now; otherwise leave it for the state dict load
+        self._resolve_mask_placeholder(adapter_name)
+        with self.detached_mask_placeholders():
+            super()._move_adapter_to_device_of_base_layer(adapter_name, device=device)
 
     def get_mask(self, adapter_name: str) -> Optional[torch.Tensor]:
-        """The full ``(out, in)`` boolean mask, or ``None`` for a dense (LoRA-equivalent) adapter."""
+        """The full ``(out, in)`` boolean mask, or ``None`` for a dense (LoRA-equivalent) adapter.
+
+        A mask still on the meta device (an adapter created with ``low_cpu_mem_usage=True`` whose state dict has not
+        arrived) comes back as a meta tensor of the right shape.
+        """
         if adapter_name not in self.lisa_mask:
             return None
+        self._resolve_mask_placeholder(adapter_name)
         packed = self.lisa_mask[adapter_name]
         key = (id(packed), packed._version, packed.device)
         cached = self._mask_cache.get(adapter_name)
@@ -153,11 +225,12 @@ class LisaLayer(BaseTunerLayer):
             self._mask_cache[adapter_name] = cached
         return cached[1]
 
-    def _accumulate_importance(self, adapter_name: str, grad: torch.Tensor) -> None:
-        spec = self.lisa_mask_spec[adapter_name]
-        pooled = M.pool_scores(grad.detach().abs().float(), spec["structure"], spec["block_size"])
-        acc = self.lisa_importance.get(adapter_name)
-        self.lisa_importance[adapter_name] = pooled if acc is None else acc + pooled
+    def _accumulate_gradient(self, adapter_name: str, grad: torch.Tensor) -> None:
+        # signed: micro-batches of one optimizer step add up to that step's gradient before |.| is taken, so the
+        # importance does not depend on how a batch is split for gradient accumulation
+        grad = grad.detach().float()
+        acc = self.lisa_grad_sum.get(adapter_name)
+        self.lisa_grad_sum[adapter_name] = grad.clone() if acc is None else acc.add_(grad)
 
     # -- delta -----------------------------------------------------------------------------------------------------------
     def _delta_out_in(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -262,7 +335,7 @@ class Linear(nn.Module, LisaLayer):
                 # importance score of seed 000, for masked-out entries too
                 delta = self._delta_out_in(name)
                 if self.lisa_track_importance and delta.requires_grad:
-                    delta.register_hook(lambda g, name=name: self._accumulate_importance(name, g))
+                    delta.register_hook(lambda g, name=name: self._accumulate_gradient(name, g))
                 result = result + F.linear(h, delta.to(h.dtype))
             else:
                 # dense path: exactly LoRA, two thin matmuls

@@ -142,6 +142,28 @@ def random_scores(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return torch.rand(shape, generator=gen)
 
 
+def reselection_scores(importance: torch.Tensor, learned: torch.Tensor, keep_learned: float = 1.0) -> torch.Tensor:
+    """Selection score from the gradient importance and the magnitude of what the adapter has learned.
+
+    ``importance / mean(importance) + keep_learned * learned / mean(learned)``, on the selection grid. Each term is
+    normalised by its own mean, so neither the loss scale nor the size of ``ΔW`` decides the balance;
+    ``keep_learned = 0`` scores by the gradient alone (seed 000), which drops much of ``ΔW`` at every re-selection.
+
+    Example:
+        >>> reselection_scores(torch.tensor([1.0, 3.0]), torch.tensor([3.0, 1.0]), 1.0)
+        tensor([2., 2.])
+    """
+
+    def unit_mean(t: torch.Tensor) -> torch.Tensor:
+        mean = t.mean()
+        return t / mean if mean > 0 else torch.zeros_like(t)
+
+    scores = unit_mean(importance.float())
+    if keep_learned > 0:
+        scores = scores + keep_learned * unit_mean(learned.float())
+    return scores
+
+
 def add_new_block_bonus(
     scores: torch.Tensor, previous_mask: torch.Tensor, activated_at_last_update: torch.Tensor, bonus: float
 ) -> torch.Tensor:
@@ -165,6 +187,11 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
     return (flat.reshape(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+
+
+def packed_size(shape: tuple[int, ...]) -> int:
+    """Number of bytes :func:`pack_mask` produces for a mask of ``shape``: one bit per cell, rounded up to a byte."""
+    return -(-math.prod(shape) // 8)
 
 
 def unpack_mask(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -27,6 +28,32 @@ TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
     "roberta": ["query", "key", "value"],
     "t5": ["q", "k", "v"],
 }
+
+
+_INJECT_INTERPOLATION_ERROR = (
+    "LISA adapter {adapter_name!r} has layer_interpolation=True: its per-block alpha/beta live on the PEFT tuner "
+    "(LisaModel), which peft.inject_adapter_in_model - and with it transformers' model.load_adapter, model.add_adapter "
+    "and AutoModel*.from_pretrained(adapter_dir) - builds and then drops, so alpha/beta would be silently ignored and "
+    "never trained. Load the adapter with peft.PeftModel.from_pretrained(base_model, adapter_dir) or "
+    "hf_lisa.from_pretrained(adapter_dir), and create one with peft.get_peft_model(model, LisaConfig(...))."
+)
+
+
+def _built_by_inject_adapter_in_model(tuner: BaseTuner) -> bool:
+    """Whether ``tuner`` is being constructed by ``peft.inject_adapter_in_model``, which returns the bare model.
+
+    The frames of the tuner's own construction (``_pre_injection_hook``, ``BaseTuner.__init__``) are skipped; the
+    first frame outside them is the one that called ``LisaModel(...)``.
+    """
+    import inspect
+
+    from peft.mapping import inject_adapter_in_model
+
+    target = inspect.unwrap(inject_adapter_in_model).__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_locals.get("self") is tuner:
+        frame = frame.f_back
+    return frame is not None and frame.f_code is target
 
 
 def _conv1d_type():
@@ -57,8 +84,16 @@ class LisaModel(BaseTuner):
     prefix: str = "lisa_"
     tuner_layer_cls = LisaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING
+    #: whether the β penalty is added to ``outputs.loss`` (a plain training loop). The scheduler callback turns this
+    #: off and applies the penalty's gradient itself, once per optimizer step: trainers that compute their own loss
+    #: (TRL, label smoothing) never see ``outputs.loss``, and a loss term is multiplied by the number of micro-batches
+    interpolation_penalty_in_loss: bool = True
 
     def _pre_injection_hook(self, model: nn.Module, config: LisaConfig, adapter_name: str) -> None:
+        if config.layer_interpolation and _built_by_inject_adapter_in_model(self):
+            if self.peft_config.get(adapter_name) is config:  # BaseTuner may have added it to the model's own dict
+                del self.peft_config[adapter_name]
+            raise ValueError(_INJECT_INTERPOLATION_ERROR.format(adapter_name=adapter_name))
         # BaseTuner.__init__ resets nn.Module state first, so the containers are created here, once
         if "lisa_interp_delta" not in self._modules:
             self.lisa_interp_delta = nn.ParameterDict({})
@@ -89,7 +124,9 @@ class LisaModel(BaseTuner):
         )
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
+        # low_cpu_mem_usage: the mask placeholder stays on meta until the state dict fills it (see LisaLayer)
+        with new_module.detached_mask_placeholders():
+            self._replace_module(parent, target_name, new_module, target)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
         # PeftModel.add_adapter calls inject_adapter without the injection hooks, so interpolation is set up here
@@ -137,6 +174,48 @@ class LisaModel(BaseTuner):
 
         return hook
 
+    def interpolation_parameters(self) -> list[nn.Parameter]:
+        """Every δ and β parameter (no weight decay belongs on them: δ = 0 and β = 0 are not "small weights")."""
+        return [*self.lisa_interp_delta.values(), *self.lisa_interp_beta.values()] if self._has_interp() else []
+
+    def _has_interp(self) -> bool:
+        return "lisa_interp_delta" in self._modules
+
+    @torch.no_grad()
+    def apply_interpolation_penalty_grad(self, grad_scale: float = 1.0) -> Optional[float]:
+        """Add the gradient of λ·Σβ² (``2λβ``) to ``β.grad`` of the active, trainable adapters; returns the penalty.
+
+        Call once per optimizer step, after the backward passes and before ``optimizer.step()``: the penalty then
+        counts exactly once per step whatever the loss function, gradient accumulation or world size (β is identical
+        on every rank). ``grad_scale`` multiplies the added gradient, for gradients still scaled by a loss scaler.
+        Returns ``None`` when no active adapter uses interpolation.
+        """
+        total = None
+        for name in self.active_adapters:
+            if not self._has_interp() or name not in self.lisa_interp_beta:
+                continue
+            beta = self.lisa_interp_beta[name]
+            lam = self.peft_config[name].interpolation_beta_l2
+            total = (total or 0.0) + float(lam * beta.detach().float().pow(2).sum())
+            if not beta.requires_grad or lam == 0:
+                continue
+            grad = (2 * lam * grad_scale) * beta.detach()
+            if beta.grad is None:
+                beta.grad = grad.to(beta.dtype)
+            else:
+                beta.grad.add_(grad.to(beta.grad.dtype))
+        return total
+
+    @torch.no_grad()
+    def project_interpolation_delta(self) -> None:
+        """Clamp every δ into ``[-bound, bound]`` in place. After each optimizer step, so δ never sits outside the
+        range where the forward's clamp would cut its gradient to zero forever."""
+        if not self._has_interp():
+            return
+        for name, delta in self.lisa_interp_delta.items():
+            bound = self.peft_config[name].interpolation_delta_bound
+            delta.clamp_(-bound, bound)
+
     def interpolation_penalty(self) -> torch.Tensor:
         """λ·Σ_l β_l² summed over the active adapters that use layer interpolation (seed 001)."""
         total = None
@@ -153,6 +232,7 @@ class LisaModel(BaseTuner):
         # directly, bypassing the tuner. The β penalty thus joins every training loss, so a plain Trainer optimises it.
         if (
             module.training
+            and self.interpolation_penalty_in_loss
             and self._interp_enabled
             and any(name in self.lisa_interp_beta for name in self.active_adapters)
             and getattr(outputs, "loss", None) is not None

@@ -89,3 +89,45 @@ def drop_optimizer_state(optimizer: Any, params: Iterable[torch.Tensor]) -> int:
 def optimizer_params(optimizer: Any) -> set[int]:
     """``id`` of every parameter the optimizer updates."""
     return {id(p) for group in unwrap_optimizer(optimizer).param_groups for p in group["params"]}
+
+
+def exclude_from_weight_decay(optimizer: Any, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Move ``params`` out of weight-decaying parameter groups into a group without weight decay.
+
+    The Trainer builds two groups (decay, no decay) from parameter *names*, so parameters like LISA's interpolation
+    scalars δ and β land in the decaying group. They go to an existing group with ``weight_decay == 0`` whose other
+    hyperparameters are identical (the Trainer's no-decay group). Returns the parameters that could not be moved
+    because no such group exists; the caller should say so.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        >>> opt = torch.optim.AdamW([{"params": [a, b], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}])
+        >>> exclude_from_weight_decay(opt, [b])
+        []
+        >>> [len(g["params"]) for g in opt.param_groups]
+        [1, 1]
+    """
+    optimizer = unwrap_optimizer(optimizer)
+    wanted = {id(p) for p in params}
+    stuck: list[torch.Tensor] = []
+
+    def same_but_decay(g: dict, h: dict) -> bool:
+        keys = (set(g) | set(h)) - {"params", "weight_decay", "initial_lr"}
+        return all(g.get(k) == h.get(k) for k in keys)
+
+    for group in optimizer.param_groups:
+        if not group.get("weight_decay"):
+            continue
+        moving = [p for p in group["params"] if id(p) in wanted]
+        if not moving:
+            continue
+        target = next(
+            (h for h in optimizer.param_groups if not h.get("weight_decay") and same_but_decay(group, h)), None
+        )
+        if target is None:
+            stuck.extend(moving)
+            continue
+        group["params"] = [p for p in group["params"] if id(p) not in wanted]
+        target["params"].extend(moving)
+    return stuck

@@ -680,6 +680,44 @@ def _trainer_class():
     return LisaTrainer
 
 
+def run_callbacks_before_reporting_integrations(trainer, callbacks: Sequence) -> None:
+    """Move ``callbacks`` (already on ``trainer``) ahead of the reporting integrations and the log printers.
+
+    The Trainer runs user callbacks after the integrations named by ``report_to``, which write ``logs`` in their own
+    ``on_log``: the ``lisa/*`` and ``monitor/*`` values that our callbacks add to ``logs`` would reach
+    ``log_history`` but never TensorBoard or wandb. The callbacks keep their relative order, and stay after
+    ``DefaultFlowCallback``. A stopgap for the Trainer built here, to be replaced once the callbacks place themselves.
+    """
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    handler = trainer.callback_handler
+    moving = [cb for cb in callbacks if any(cb is present for present in handler.callbacks)]
+    handler.callbacks = [cb for cb in handler.callbacks if not any(cb is m for m in moving)]
+    readers = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type)) + (
+        PrinterCallback, ProgressCallback)
+    position = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks))
+    handler.callbacks[position:position] = moving
+
+
+def _pin_tensorboard_logging_dir(trainer) -> None:
+    """Fix TensorBoard's log dir now, as ``on_train_begin`` would: ``output_dir/runs/<time>_<host>``.
+
+    ``TensorBoardCallback`` only chooses that directory in ``on_train_begin``; anything logged before (our evaluation
+    before training) creates its writer with ``log_dir=None``, i.e. ``./runs`` of the current directory, and training
+    then keeps that writer. ``TENSORBOARD_LOGGING_DIR`` (transformers 5's replacement for ``logging_dir``) and a
+    ``logging_dir`` on the arguments, where one exists, still win.
+    """
+    from transformers.integrations import TensorBoardCallback
+    from transformers.integrations.integration_utils import default_logdir
+
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, TensorBoardCallback) and cb.tb_writer is None and cb.logging_dir is None:
+            cb.logging_dir = getattr(trainer.args, "logging_dir", None) or os.path.join(
+                trainer.args.output_dir, default_logdir()
+            )
+
+
 def preprocess_logits_for_metrics(logits: torch.Tensor, labels: torch.Tensor):
     """Reduce ``(batch, seq, vocab)`` logits to next-token predictions and per-token NLL before they are gathered."""
     if isinstance(logits, tuple):
@@ -1043,7 +1081,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     chat = data_lib._use_chat_template(tokenizer, data_args.chat_template)
     if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    model, callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+    model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
 
     from trainer_callbacks.monitoring import TrainingMonitorCallback
 
@@ -1054,8 +1092,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         layers_attribute=lisa_args.lisa_layers_attribute,
     )
     start_info: dict = {}
-    callbacks = callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
-                                               lisa_args.lisa_layers_attribute, start_info)]
+    callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
+                                                          lisa_args.lisa_layers_attribute, start_info)]
     eval_dataset = tokenized.get("validation")
     trainer = _trainer_class()(
         model=model,
@@ -1071,6 +1109,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         layers_attribute=lisa_args.lisa_layers_attribute,
     )
     monitor.attach(trainer)
+    run_callbacks_before_reporting_integrations(trainer, [*scheduling_callbacks, monitor])
+    _pin_tensorboard_logging_dir(trainer)
     # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
     from .distributed import configure_trainer_for_lisa
 

@@ -102,10 +102,11 @@ def test_sparse_mask_is_reselected_on_schedule_keeps_structure_and_saved_mask_eq
     model = get_peft_model(tiny_llama(), config)
     magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
     lisa = LisaAdapterCallback()
-    trainer = _train(model, training_args(max_steps=7), token_dataset(), [lisa])
+    trainer = _train(model, training_args(max_steps=9), token_dataset(), [lisa])
 
-    # calibration at train begin (step 0), then every mask_update_interval steps
-    assert [u["step"] for u in lisa.mask_updates] == [0, 3, 6]
+    # calibration from steps 0-1 (selected as step 2 begins), then once per interval [3k, 3k+3) after a window of 2
+    assert [u["step"] for u in lisa.mask_updates] == [2, 5, 8]
+    assert [u["kind"] for u in lisa.mask_updates] == ["calibration", "reselection", "reselection"]
     assert all(u["layers_updated"] == len(magnitude) for u in lisa.mask_updates)
     assert all(u["changed_fraction"] > 0 for u in lisa.mask_updates)
     for name, layer in _lisa_layers(model):
@@ -114,7 +115,7 @@ def test_sparse_mask_is_reselected_on_schedule_keeps_structure_and_saved_mask_eq
         assert not torch.equal(live, magnitude[name])
     # the loss jump of each re-selection is measured on a fixed batch and reaches the Trainer's logs
     logged = [h for h in trainer.state.log_history if "lisa/mask_loss_jump" in h]
-    assert [h["lisa/mask_update_step"] for h in logged] == [3, 6]
+    assert [h["lisa/mask_update_step"] for h in logged] == [5, 8]
     for h, update in zip(logged, lisa.mask_updates[1:]):
         assert math.isfinite(h["lisa/mask_loss_jump"])
         assert h["lisa/mask_loss_jump"] == pytest.approx(h["lisa/mask_loss_after"] - h["lisa/mask_loss_before"])
@@ -131,31 +132,67 @@ def test_sparse_mask_is_reselected_on_schedule_keeps_structure_and_saved_mask_eq
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dataset, training_args):
-    importance_steps, batch_size = 2, 2
+def _record_training_batches(model):
+    """Forward pre-hook on the base model: the (input_ids, labels) of every training micro-batch, in order."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        if module.training:
+            seen.append((kwargs["input_ids"].clone(), kwargs["labels"].clone()))
+
+    return seen, model.get_base_model().register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dataset, training_args, accumulation):
+    importance_steps, examples_per_step = 2, 4
     config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
                                 importance_steps=importance_steps, mask_update_interval=0)
-    dataset = token_dataset()
-    # reference: while B = 0, dL/d(W + ΔW) is the gradient of the base weight itself; pool |grad| per 2x2 block
+    model = get_peft_model(tiny_llama(), config)
+    magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
+    batches, handle = _record_training_batches(model)
+    lisa = LisaAdapterCallback()
+    args = training_args(max_steps=importance_steps + 1, per_device_train_batch_size=examples_per_step // accumulation,
+                         gradient_accumulation_steps=accumulation)
+    _train(model, args, token_dataset(), [lisa])
+    handle.remove()
+    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(importance_steps, "calibration")]
+
+    # reference: B = 0 during calibration, so dL/d(W + ΔW) is the base weight's own gradient. Per optimizer step: the
+    # gradient of the step's whole batch (its micro-batches summed, signed), then |.| pooled per 2x2 block, summed
     reference = tiny_llama()
     scores: dict[str, torch.Tensor] = {}
-    for i in range(importance_steps):
+    for step in range(importance_steps):
+        micro = batches[step * accumulation : (step + 1) * accumulation]
         reference.zero_grad()
-        rows = range(i * batch_size, (i + 1) * batch_size)
-        batch = {k: torch.stack([dataset[j][k] for j in rows]) for k in ("input_ids", "labels")}
-        reference(**batch).loss.backward()
+        reference(input_ids=torch.cat([b[0] for b in micro]), labels=torch.cat([b[1] for b in micro])).loss.backward()
         for name, module in reference.named_modules():
             if name.endswith(("q_proj", "v_proj")):
                 pooled = M.pool_scores(module.weight.grad.abs(), "block", (2, 2))
                 scores[name] = pooled if name not in scores else scores[name] + pooled
-    model = get_peft_model(tiny_llama(), config)
-    magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
-    _train(model, training_args(max_steps=1, per_device_train_batch_size=batch_size), dataset, [LisaAdapterCallback()])
     for name, layer in _lisa_layers(model):
         expected = M.select_mask(scores[name.removeprefix("base_model.model.")], "block", 0.5, (2, 2), pooled=True)
         assert torch.equal(layer.get_mask("default"), expected), name
         assert not torch.equal(expected, magnitude[name])
         assert not layer.lisa_track_importance and "default" not in layer.lisa_importance
+
+
+def test_importance_does_not_depend_on_the_accumulation_split(tiny_llama, token_dataset, training_args):
+    # the same 4 examples per optimizer step, as one batch of 4 or two micro-batches of 2 (the signed gradient is
+    # summed over micro-batches before |.|): identical masks, at calibration and at the re-selection
+    config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
+                                importance_steps=2, mask_update_interval=3)
+    masks = []
+    for accumulation in (1, 2):
+        model = get_peft_model(tiny_llama(), config)
+        lisa = LisaAdapterCallback()
+        args = training_args(max_steps=6, per_device_train_batch_size=4 // accumulation,
+                             gradient_accumulation_steps=accumulation, learning_rate=0.0)
+        _train(model, args, token_dataset(), [lisa])
+        assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(2, "calibration"), (5, "reselection")]
+        masks.append({n: m.get_mask("default") for n, m in _lisa_layers(model)})
+    for name in masks[0]:
+        assert torch.equal(masks[0][name], masks[1][name]), name
 
 
 def test_new_block_bonus_protects_cells_switched_on_at_the_previous_update(tiny_llama):
@@ -167,17 +204,19 @@ def test_new_block_bonus_protects_cells_switched_on_at_the_previous_update(tiny_
     grid0 = layer.get_mask("default")[::2, ::2].clone()
     gen = torch.Generator().manual_seed(0)
 
+    scheduler.keep_learned = 0.0  # B = 0 here anyway; score by the importance alone
+    scheduler.fresh[name] = False  # a re-selection, not the first calibration
     first = torch.rand(grid0.shape, generator=gen)
     layer.lisa_importance["default"] = first.clone()
-    scheduler.select(4)
+    scheduler.select(4, [name])
     grid1 = layer.get_mask("default")[::2, ::2].clone()
     new1 = grid1 & ~grid0
     assert torch.equal(scheduler.new_cells[name], new1) and new1.any()
 
     second = torch.rand(grid0.shape, generator=gen)
     layer.lisa_importance["default"] = second.clone()
-    scheduler.select(8)
-    boosted = M.add_new_block_bonus(second, grid1, new1, 0.5)
+    scheduler.select(8, [name])
+    boosted = M.add_new_block_bonus(M.reselection_scores(second, torch.zeros_like(second), 0.0), grid1, new1, 0.5)
     assert torch.equal(layer.get_mask("default"), M.select_mask(boosted, "block", 0.5, (2, 2), pooled=True))
     without_bonus = M.select_mask(second, "block", 0.5, (2, 2), pooled=True)[::2, ::2]
     kept_new = layer.get_mask("default")[::2, ::2] & new1
@@ -205,20 +244,19 @@ def test_adapter_callback_guard_rails(tiny_llama, token_dataset, training_args):
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_calibration_gives_the_same_mask_under_activation_checkpointing(tiny_llama, token_dataset, use_reentrant):
-    # reentrant checkpointing hides parameters from torch.autograd.grad; calibration must notice and still score
-    data = token_dataset()
-    batches = [{"input_ids": data.input_ids[i : i + 2], "labels": data.input_ids[i : i + 2]} for i in (0, 2)]
-    config = dict(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, importance_steps=2)
+def test_calibration_gives_the_same_mask_under_activation_checkpointing(
+    tiny_llama, token_dataset, training_args, use_reentrant
+):
+    # the importance hook sits on M ⊙ (B A) in the forward; checkpointing recomputes that forward in backward (and the
+    # reentrant variant runs the first forward without grad): the hook must still see every step's gradient once
+    config = dict(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, importance_steps=2, mask_update_interval=3)
     masks = []
     for checkpointing in (False, True):
-        base = tiny_llama()
-        if checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-            base.enable_input_require_grads()
-        model = get_peft_model(base, hf_lisa.LisaConfig(**config))
-        scheduler = MaskScheduler(model)
-        scheduler.calibrate(model, batches)
-        assert all(p.grad is None for p in model.parameters())
-        masks.append([layer.get_mask("default") for _, layer in scheduler.layers])
+        model = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(**config))
+        args = training_args(max_steps=6, learning_rate=0.0, gradient_checkpointing=checkpointing,
+                             gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        lisa = LisaAdapterCallback()
+        _train(model, args, token_dataset(), [lisa])
+        assert [u["step"] for u in lisa.mask_updates] == [2, 5]
+        masks.append([layer.get_mask("default") for _, layer in lisa.mask_scheduler.layers])
     assert all(torch.equal(a, b) for a, b in zip(*masks))

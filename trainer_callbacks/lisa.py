@@ -24,9 +24,12 @@ accumulators of a big model, when a checkpoint falls inside an importance window
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import sys
 import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from transformers import TrainerCallback
@@ -34,11 +37,13 @@ from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
 from hf_lisa.json_state import decode_state, encode_state, has_spilled
-from hf_lisa.optim_state import OPTIMIZER_STATE_POLICIES, optimizer_state_bytes
+from hf_lisa.optim_state import OPTIMIZER_STATE_POLICIES, exclude_from_weight_decay, optimizer_state_bytes
 from hf_lisa.sampler import LAYER_SAMPLING_STRATEGIES
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 
 SPILL_FILE = "lisa_scheduler_tensors.safetensors"
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LisaAdapterCallback", "LisaCallback", "check_lisa_training_setup"]
 
@@ -163,6 +168,51 @@ def _fixed_batches(dataloader, num_batches: int, batch_size: int, rank: int, wor
     ]
 
 
+_CONFIGURED = "_hf_lisa_configured"
+
+
+def _launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _calling_trainer():
+    """The ``transformers.Trainer`` whose event is running, found on the call stack (``None`` outside a Trainer).
+
+    Trainer events do not receive the Trainer itself, but a LISA callback must adjust it before ``train()`` wraps the
+    model (DDP's unused-parameter detection, the active-set all-reduce) and order the callbacks. The Trainer is the
+    ``self`` of a frame a few levels up: ``Trainer.__init__`` for ``on_init_end``, the training loop otherwise.
+    """
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+    return None
+
+
+def configure_trainer(trainer) -> None:
+    """Prepare a Trainer for the LISA callbacks it holds; idempotent.
+
+    * The LISA callbacks move to the front of the callback list, so the values they add in ``on_log`` reach every
+      reporting integration (TensorBoard, W&B, ...) and the printer, which ``Trainer`` registers before user callbacks.
+    * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
+      all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
+    """
+    callbacks = trainer.callback_handler.callbacks
+    ours = [cb for cb in callbacks if isinstance(cb, _LisaCallbackBase)]
+    callbacks[:] = ours + [cb for cb in callbacks if not isinstance(cb, _LisaCallbackBase)]
+    if getattr(trainer, _CONFIGURED, False):
+        return
+    from hf_lisa.distributed import configure_trainer_for_lisa
+
+    configure_trainer_for_lisa(trainer)
+
+
 class _LisaCallbackBase(TrainerCallback, ExportableState):
     """State export/restore, logging and guard rails shared by the two LISA callbacks."""
 
@@ -176,6 +226,7 @@ class _LisaCallbackBase(TrainerCallback, ExportableState):
         self._spill: dict[str, torch.Tensor] = {}
         self._global_step = 0
         self._pending_logs: dict[str, Any] = {}
+        self._warned_stray = False
 
     # -- ExportableState -----------------------------------------------------------------------------------------------
     def _ctor_args(self) -> dict[str, Any]:
@@ -280,9 +331,45 @@ class _LisaCallbackBase(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, **kwargs):
         self._global_step = state.global_step
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.layer_scheduler is not None and self.layer_scheduler.strategy == "importance":
-            self.layer_scheduler.observe_gradients()
+    # -- the Trainer that runs us --------------------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _calling_trainer()
+        if trainer is not None:
+            configure_trainer(trainer)
+
+    def _check_configured(self, args) -> None:
+        """Refuse multi-process training that the callback could not set up (added after the Trainer was built)."""
+        trainer = _calling_trainer()
+        if trainer is not None and not getattr(trainer, _CONFIGURED, False):
+            if _launched_world_size() > 1 or args.world_size > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__} was added after the Trainer was built, so it could not prepare the "
+                    "Trainer's DDP wrap for LISA before train() (unused-parameter detection, the active-set "
+                    "all-reduce). Pass it as Trainer(callbacks=[...]), or call "
+                    "hf_lisa.distributed.configure_trainer_for_lisa(trainer) before trainer.train()."
+                )
+            configure_trainer(trainer)
+
+    # -- the step ------------------------------------------------------------------------------------------------------
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # gradients are complete (all micro-batches, all-reduced under DDP); the update has not happened yet
+        if self.layer_scheduler is not None:
+            stray = self.layer_scheduler.drop_stray_gradients()
+            if stray and not self._warned_stray:
+                self._warned_stray = True
+                logger.warning(
+                    "LISA: %d frozen parameter(s) received gradients at step %d: something re-enabled requires_grad "
+                    "behind the schedule (a library or user code). Their gradients were dropped, so they did not "
+                    "move; the compute was wasted.", len(stray), state.global_step,
+                )
+            if self.layer_scheduler.strategy == "importance":
+                self.layer_scheduler.observe_gradients()
+        if self.mask_scheduler is not None:
+            self.mask_scheduler.end_step()
+        self._apply_penalty(optimizer)
+
+    def _apply_penalty(self, optimizer) -> None:
+        """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA)."""
 
     def on_train_end(self, args, state, control, **kwargs):
         # leave the model as it was handed over (every candidate trainable), e.g. for a second trainer.train()
@@ -294,8 +381,8 @@ class _LisaCallbackBase(TrainerCallback, ExportableState):
 
 
 class LisaCallback(_LisaCallbackBase):
-    """Full-parameter LISA on a plain transformers model: the embeddings, LM head and final norm train throughout,
-    and γ transformer blocks train at a time, re-drawn every K optimizer steps.
+    """Full-parameter LISA on a plain transformers model: the embeddings, LM head, final norm and any task head train
+    throughout, and γ transformer blocks train at a time, re-drawn every K optimizer steps.
 
     Args:
         activated_layers (`int`, defaults to `2`): γ (LMFlow's ``lisa_activated_layers``), ``1 <= γ <= N``.
@@ -303,8 +390,10 @@ class LisaCallback(_LisaCallbackBase):
         sampling (`str`, defaults to `"uniform"`): ``"uniform"`` (the paper), ``"importance"`` (running gradient
             norm) or ``"cyclic"`` (every block once per cycle); see :class:`hf_lisa.sampler.LayerSampler`.
         seed (`int`, defaults to `42`): seed of the sampler; every rank draws the same blocks.
-        always_trainable (`Sequence[str]`, defaults to `("embeddings", "lm_head", "norm")`): what trains throughout
-            (keywords or module names such as ``"score"``; ``()`` trains only the sampled blocks).
+        always_trainable (`Sequence[str]`, defaults to `("embeddings", "lm_head", "norm", "heads")`): what trains
+            throughout: keywords (``"heads"`` is every other parameter outside the blocks, e.g. a classifier's
+            ``score``, BERT's ``pooler`` and ``classifier``) or module names/regexes such as ``"score"``; ``()``
+            trains only the sampled blocks. The task heads that train are listed in the log at train begin.
         optimizer_state_policy (`str`, defaults to `"drop"`): ``"drop"`` frees the optimizer state of deactivated
             parameters (the paper's behaviour; LISA then holds state for E+H+γL only), ``"keep"`` keeps it.
         layers_attribute (`str`, *optional*): dotted path of the block list (``lisa_layers_attribute``), e.g.
@@ -394,6 +483,13 @@ class LisaCallback(_LisaCallbackBase):
         check_lisa_training_setup(
             args, model, scheduler.num_active < scheduler.num_blocks or bool(scheduler.frozen_params)
         )
+        self._check_configured(args)
+        if scheduler.head_params:
+            names = {id(p): n for n, p in model.named_parameters()}
+            logger.info(
+                "LISA: task-head parameters outside the blocks train throughout: %s (always_trainable narrows this).",
+                ", ".join(names.get(id(p), "?") for p in scheduler.head_params),
+            )
         stored = self._stored_state(args, state)
         if stored is not None:
             scheduler.load_state_dict(stored["layers"], optimizer)
@@ -415,7 +511,8 @@ class LisaCallback(_LisaCallbackBase):
         return self.activated_layers
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        self.layer_scheduler.maybe_switch(state.global_step, optimizer)
+        if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
+            self.layer_scheduler.enforce()
 
 
 class LisaAdapterCallback(_LisaCallbackBase):
@@ -424,11 +521,18 @@ class LisaAdapterCallback(_LisaCallbackBase):
     * **Layerwise sampling** (``lisa_activated_layers`` = γ > 0): only the ``lisa_*`` parameters of γ sampled blocks
       train in each period of ``lisa_interval_steps`` steps; layer-interpolation scalars and ``modules_to_save`` train
       throughout. γ = 0 trains every adapter (no sampling).
-    * **Sparse-mask re-selection** (adapters with ``sparsity > 0``): the first mask is chosen from ``|∂L/∂W|`` on
-      ``importance_steps`` calibration batches at train begin (``mask_init="importance"``), and re-selected every
-      ``mask_update_interval`` steps from the importance accumulated over the preceding ``importance_steps`` steps,
-      with the ``new_block_bonus``. Entries dropped at a re-selection vanish at once (an abrupt change); the loss on a
-      fixed batch just before and after is logged as ``lisa/mask_loss_before``/``_after``/``_jump``.
+    * **Sparse masks** (adapters with ``sparsity > 0``, see :class:`hf_lisa.scheduler.MaskScheduler`): a fresh
+      adapter's first mask comes from ``|∂L/∂W|`` over its first ``importance_steps`` trainable steps, through the
+      trainer's own loss, while its ``B`` stays 0 (``mask_init="importance"``); a loaded, trained adapter keeps its
+      masks. Each sparse layer is then re-selected once per ``mask_update_interval`` in which it trains, while its
+      block is active, from the signed gradient summed per step and what it has learned. Logged as
+      ``lisa/mask_*`` (changed fraction, retained ``ΔW`` energy, loss on a fixed batch before/after).
+    * **Layer interpolation**: the penalty λ·Σβ² is applied once per optimizer step as the gradient ``2λβ``, whatever
+      the trainer's loss, gradient accumulation or world size (logged as ``lisa/interp_penalty``); δ is projected
+      back into ``±interpolation_delta_bound`` after each step; δ and β get no weight decay.
+    * **One authority on what trains**: the schedule re-asserts the trainable set at every step and declares frozen
+      blocks where PEFT itself re-applies them (``disable_adapter()`` in TRL's DPO reference pass re-enables every
+      adapter otherwise); gradients that reach frozen parameters anyway are dropped before the optimizer step.
 
     Settings come from the adapter's ``LisaConfig``; keyword arguments override them.
 
@@ -440,6 +544,8 @@ class LisaAdapterCallback(_LisaCallbackBase):
         mask_update_interval, importance_steps, new_block_bonus: override the config's mask settings.
         adapter_name (`str`, *optional*): the adapter to schedule; the active adapter by default.
         measure_mask_change (`bool`, defaults to `True`): evaluate the loss on a fixed batch around each re-selection.
+        recalibrate_masks (`bool`, defaults to `False`): calibrate the masks of a loaded, trained adapter too (its
+            function then changes at the first selection).
 
     Example:
         ```py
@@ -465,6 +571,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         new_block_bonus: Optional[float] = None,
         adapter_name: Optional[str] = None,
         measure_mask_change: bool = True,
+        recalibrate_masks: bool = False,
     ) -> None:
         super().__init__()
         if not _is_int(seed):
@@ -503,6 +610,8 @@ class LisaAdapterCallback(_LisaCallbackBase):
         self.new_block_bonus = new_block_bonus
         self.adapter_name = adapter_name
         self.measure_mask_change = measure_mask_change
+        self.recalibrate_masks = recalibrate_masks
+        self._tuner = None
         self._probe_batch = None
         self._model = None
 
@@ -523,6 +632,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
             "new_block_bonus": self.new_block_bonus,
             "adapter_name": self.adapter_name,
             "measure_mask_change": self.measure_mask_change,
+            "recalibrate_masks": self.recalibrate_masks,
         }
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
@@ -556,13 +666,17 @@ class LisaAdapterCallback(_LisaCallbackBase):
             update_interval=self.mask_update_interval,
             importance_steps=self.importance_steps,
             new_block_bonus=self.new_block_bonus,
+            interval_steps=None if layer_scheduler is None else layer_scheduler.interval_steps,
+            recalibrate=self.recalibrate_masks,
         )
         if not mask_scheduler.layers:
             mask_scheduler = None
-        if layer_scheduler is None and mask_scheduler is None:
+        tuner = _tuner_of(model)
+        interpolation = tuner.interpolation_parameters() if tuner is not None else []
+        if layer_scheduler is None and mask_scheduler is None and not interpolation:
             warnings.warn(
-                "LisaAdapterCallback has nothing to schedule: lisa_activated_layers=0 and no adapter has sparsity > 0. "
-                "The adapters train like LoRA; the callback can be removed."
+                "LisaAdapterCallback has nothing to schedule: lisa_activated_layers=0, no adapter has sparsity > 0 "
+                "and no layer interpolation. The adapters train like LoRA; the callback can be removed."
             )
         check_lisa_training_setup(
             args,
@@ -571,6 +685,18 @@ class LisaAdapterCallback(_LisaCallbackBase):
             and (layer_scheduler.num_active < layer_scheduler.num_blocks or bool(layer_scheduler.frozen_params)),
             form="adapter",
         )
+        self._check_configured(args)
+        if interpolation:
+            # the penalty is applied as a gradient once per optimizer step (see _apply_penalty), never via the loss
+            tuner.interpolation_penalty_in_loss = False
+            if optimizer is not None:
+                stuck = exclude_from_weight_decay(optimizer, interpolation)
+                if stuck:
+                    warnings.warn(
+                        f"weight decay still applies to {len(stuck)} LISA interpolation parameter(s) (δ/β): the "
+                        "optimizer has no parameter group without weight decay and otherwise equal settings to move "
+                        "them to. Build the optimizer with such a group, or set weight_decay=0."
+                    )
         device = next(model.parameters()).device
         stored = self._stored_state(args, state)
         if stored is not None:
@@ -582,55 +708,117 @@ class LisaAdapterCallback(_LisaCallbackBase):
             elif layer_scheduler is not None:
                 layer_scheduler.freeze_all_but_active(optimizer, global_step=state.global_step)
         else:
-            if mask_scheduler is not None and mask_scheduler.mask_init == "importance" and state.global_step == 0:
-                # before freezing: every block's adapter takes part, and B = 0 so the choice does not change outputs
-                batches = _fixed_batches(
-                    train_dataloader, mask_scheduler.importance_steps, args.per_device_train_batch_size,
-                    args.process_index, args.world_size, device,
-                )
-                mask_scheduler.calibrate(model, batches)
+            if mask_scheduler is not None:
+                mask_scheduler.start(state.global_step)
             if layer_scheduler is not None:
                 layer_scheduler.freeze_all_but_active(optimizer, global_step=state.global_step)
+        self._probe_batch = None
         if mask_scheduler is not None and self.measure_mask_change and mask_scheduler.update_interval:
             self._probe_batch = _fixed_batches(train_dataloader, 1, args.per_device_train_batch_size, 0, 1, device)[0]
         self._model = model
+        self._tuner = tuner if interpolation else None
         self.layer_scheduler = layer_scheduler
         self.mask_scheduler = mask_scheduler
         self.resume_state = None
         self._global_step = state.global_step
 
-    def _probe_loss(self) -> float:
-        """Loss on a fixed batch, in eval mode: the function before/after a mask change, without dropout noise."""
+    def _probe_loss(self) -> Optional[float]:
+        """Loss on a fixed batch, in eval mode: the function before/after a mask change, without dropout noise.
+
+        ``None`` when the trainer's batches are not plain model inputs with labels (TRL's DPO batches, for example):
+        the jump is then not measured, and the log says so once.
+        """
         model = self._model
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad():
                 outputs = model(**self._probe_batch)
+        except (TypeError, ValueError) as err:
+            logger.info("LISA: the loss jump at mask re-selections is not measured (%s).", err)
+            self._probe_batch = None
+            return None
         finally:
             model.train(was_training)
-        return float(outputs["loss"] if isinstance(outputs, dict) else outputs.loss)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+        if loss is None:
+            logger.info("LISA: the loss jump at mask re-selections is not measured: the batches carry no labels.")
+            self._probe_batch = None
+            return None
+        return float(loss)
+
+    def _measured_probe(self) -> Optional[Any]:
+        if self._probe_batch is None:
+            return None
+
+        def probe() -> float:
+            value = self._probe_loss()
+            return float("nan") if value is None else value
+
+        return probe
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        if self.mask_scheduler is not None:
-            record = self.mask_scheduler.step(
-                state.global_step, self._probe_loss if self._probe_batch is not None else None
-            )
-            if record is not None:
-                self._pending_logs.update(
-                    {
-                        "lisa/mask_update_step": record["step"],
-                        "lisa/mask_changed_fraction": record["changed_fraction"],
-                        **(
-                            {
-                                "lisa/mask_loss_before": record["loss_before"],
-                                "lisa/mask_loss_after": record["loss_after"],
-                                "lisa/mask_loss_jump": record["loss_jump"],
-                            }
-                            if record["loss_before"] is not None
-                            else {}
-                        ),
-                    }
-                )
+        # the layer switch first: masks are re-selected only in blocks that train in this step
         if self.layer_scheduler is not None:
-            self.layer_scheduler.maybe_switch(state.global_step, optimizer)
+            if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
+                self.layer_scheduler.enforce()
+        if self.mask_scheduler is not None:
+            for record in self.mask_scheduler.step(state.global_step, self._measured_probe()):
+                if record["kind"] == "calibration":
+                    self._pending_logs["lisa/mask_calibrated_layers"] = record["layers_updated"]
+                    continue
+                logs = {
+                    "lisa/mask_update_step": record["step"],
+                    "lisa/mask_layers_updated": record["layers_updated"],
+                    "lisa/mask_changed_fraction": record["changed_fraction"],
+                    "lisa/mask_retained_energy": record["retained_energy"],
+                }
+                if record["loss_before"] is not None and math.isfinite(record["loss_jump"]):
+                    logs.update(
+                        {
+                            "lisa/mask_loss_before": record["loss_before"],
+                            "lisa/mask_loss_after": record["loss_after"],
+                            "lisa/mask_loss_jump": record["loss_jump"],
+                        }
+                    )
+                self._pending_logs.update(logs)
+
+    def _apply_penalty(self, optimizer) -> None:
+        if self._tuner is not None:
+            penalty = self._tuner.apply_interpolation_penalty_grad(grad_scale=_unscaled_factor(optimizer))
+            if penalty is not None:
+                self._pending_logs["lisa/interp_penalty"] = penalty
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._tuner is not None:
+            self._tuner.project_interpolation_delta()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        super().on_train_end(args, state, control, **kwargs)
+        if self._tuner is not None:
+            self._tuner.interpolation_penalty_in_loss = True
+
+
+def _tuner_of(model):
+    """The ``LisaModel`` inside a (possibly wrapped) ``PeftModel``, or ``None``."""
+    from hf_lisa.blocks import _unwrap
+    from hf_lisa.model import LisaModel
+
+    base = getattr(_unwrap(model), "base_model", None)
+    return base if isinstance(base, LisaModel) else None
+
+
+def _unscaled_factor(optimizer) -> float:
+    """The loss scale still applied to the gradients at ``on_pre_optimizer_step`` (1.0 without fp16 loss scaling).
+
+    With fp16 loss scaling, gradients are unscaled by gradient clipping; without clipping they are still scaled when
+    the optimizer step begins, and a gradient added there must be scaled alike.
+    """
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return 1.0
+    from torch.amp.grad_scaler import OptState
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    stage = scaler._per_optimizer_states[id(inner)]["stage"]
+    return 1.0 if stage is OptState.UNSCALED else float(scaler.get_scale())
