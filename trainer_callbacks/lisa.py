@@ -801,10 +801,11 @@ class LisaAdapterCallback(_LisaCallbackBase):
 
 def _tuner_of(model):
     """The ``LisaModel`` inside a (possibly wrapped) ``PeftModel``, or ``None``."""
-    from hf_lisa.blocks import _unwrap
     from hf_lisa.model import LisaModel
 
-    base = getattr(_unwrap(model), "base_model", None)
+    while type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
+        model = model.module
+    base = getattr(model, "base_model", None)
     return base if isinstance(base, LisaModel) else None
 
 
