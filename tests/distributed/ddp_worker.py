@@ -64,7 +64,8 @@ def run_full(output_dir: str, per_device_batch: int = 2, max_steps: int = 8, com
 
 
 def run_adapter(output_dir: str) -> dict:
-    """LISA adapters with sparse masks chosen from |dL/dW| (calibration, then re-selection at step 3) and γ=1."""
+    """LISA adapters with sparse masks chosen from |dL/dW| (calibration in each block's first active period, then
+    re-selection once per interval of 3 steps in which a block trains) and γ=1."""
     from peft import get_peft_model
     from transformers import Trainer
 
@@ -80,7 +81,7 @@ def run_adapter(output_dir: str) -> dict:
     model = get_peft_model(tiny_llama(), config)
     initial = {n: m.lisa_mask["default"].clone() for n, m in model.named_modules() if isinstance(m, LisaLayer)}
     callback = LisaAdapterCallback(seed=SEED)
-    trainer = Trainer(model=model, args=training_args(output_dir, 2, 6), train_dataset=PatternDataset(),
+    trainer = Trainer(model=model, args=training_args(output_dir, 2, 12), train_dataset=PatternDataset(),
                       callbacks=[callback])
     configure_trainer_for_lisa(trainer)
     trainer.train()
@@ -88,10 +89,61 @@ def run_adapter(output_dir: str) -> dict:
     return {
         "mask_crc": {n: zlib.crc32(t.numpy().tobytes()) for n, t in masks.items()},
         "changed_from_initial": sum(int(not bool((masks[n] == initial[n]).all())) for n in masks),
-        "calibrated": callback.mask_scheduler.calibrated,
-        "mask_updates": callback.mask_scheduler.num_updates,
+        "mask_updates": [[u["step"], u["kind"], u["layers"]] for u in callback.mask_updates],
         "history": [[step, blocks] for step, blocks in callback.layer_scheduler.history],
         "losses": _losses(trainer),
+    }
+
+
+def run_user_code(output_dir: str) -> dict:
+    """A user's script: LISA adapters with interpolation and γ=1, ``evaluate()`` before ``train()``, and no call to
+    ``configure_trainer_for_lisa``: the callback prepares the Trainer itself. Also the β penalty's gradient on 2 ranks.
+    """
+    from peft import get_peft_model
+    from transformers import Trainer, TrainerCallback
+
+    import hf_lisa
+    from trainer_callbacks import LisaAdapterCallback
+
+    def build(lam: float):
+        config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], lisa_activated_layers=1,
+                                    lisa_interval_steps=2, layer_interpolation=True, interpolation_beta_l2=lam)
+        model = get_peft_model(tiny_llama(), config)
+        with torch.no_grad():
+            model.base_model.lisa_interp_beta["default"].copy_(torch.tensor([0.5, -1.0, 0.25, 2.0]))
+        return model
+
+    import torch
+
+    model = build(0.01)
+    callback = LisaAdapterCallback(seed=SEED)
+    trainer = Trainer(model=model, args=training_args(output_dir, 2, 4), train_dataset=PatternDataset(),
+                      eval_dataset=PatternDataset(num_examples=8), callbacks=[callback])
+    trainer.evaluate()
+    trainer.train()
+    weights = {n: p.detach() for n, p in model.named_parameters() if "lisa_" in n}
+
+    grads = {}
+
+    class BetaGrad(TrainerCallback):
+        def __init__(self, model):
+            self.model = model
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.setdefault(self.lam, self.model.base_model.lisa_interp_beta["default"].grad.clone())
+
+    for lam in (0.01, 0.0):
+        probe_model = build(lam)
+        probe = BetaGrad(probe_model)
+        probe.lam = lam
+        Trainer(model=probe_model, args=training_args(os.path.join(output_dir, f"beta{lam}"), 2, 1, learning_rate=0.0),
+                train_dataset=PatternDataset(), callbacks=[LisaAdapterCallback(seed=SEED), probe]).train()
+    return {
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "weights_crc": {n: zlib.crc32(t.contiguous().numpy().tobytes()) for n, t in weights.items()},
+        "weight_sum": float(sum(t.double().sum() for t in weights.values())),
+        "history": [[step, blocks] for step, blocks in callback.layer_scheduler.history],
+        "penalty_grad": (grads[0.01] - grads[0.0]).tolist(),
     }
 
 
@@ -105,9 +157,8 @@ def run_refusals(output_dir: str) -> dict:
     out = {}
     args = training_args(output_dir, 2, 2, activation_checkpointing=True,
                          activation_checkpointing_kwargs={"use_reentrant": True})
-    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)])
-    try:
-        configure_trainer_for_lisa(trainer)
+    try:  # the callback configures its Trainer as the Trainer is built, so the refusal comes at construction
+        Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)])
         out["reentrant_checkpointing"] = None
     except UnsupportedEngineError as err:
         out["reentrant_checkpointing"] = str(err)
@@ -154,6 +205,7 @@ def main(output_dir: str) -> None:
     checkpointed.pop("state_dict")
     results["checkpointing"] = checkpointed
     results["adapter"] = run_adapter(os.path.join(output_dir, "adapter"))
+    results["user_code"] = run_user_code(os.path.join(output_dir, "user_code"))
     results["refusals"] = run_refusals(os.path.join(output_dir, "refusals"))
     rank = dist.get_rank()
     results["rank"], results["world_size"] = rank, dist.get_world_size()
