@@ -109,5 +109,6 @@ before = trainer.evaluate()["eval_accuracy"]
 trainer.train()
 after = trainer.evaluate()["eval_accuracy"]
 print(f"accuracy: {before:.3f} -> {after:.3f} (chance 0.5)")
-model.save_pretrained(args.output_dir)
-tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)
+if trainer.is_world_process_zero():  # one writer when launched on several processes
+    tokenizer.save_pretrained(args.output_dir)

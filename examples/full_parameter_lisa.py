@@ -57,5 +57,6 @@ before = trainer.evaluate()["eval_loss"]
 trainer.train()
 after = trainer.evaluate()["eval_loss"]
 print(f"eval loss: {before:.4f} -> {after:.4f}")
-model.save_pretrained(args.output_dir)  # full safetensors weights, loadable with AutoModelForCausalLM
-tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)  # full safetensors weights, loadable with AutoModelForCausalLM
+if trainer.is_world_process_zero():  # one writer when launched on several processes
+    tokenizer.save_pretrained(args.output_dir)

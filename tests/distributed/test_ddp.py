@@ -180,3 +180,26 @@ def test_training_entry_point_under_two_rank_ddp_with_a_comm_hook(tmp_path):
     assert summary["metrics"]["eval_loss"] < summary["metrics"]["eval_loss_before"]
     # 3 blocks of 9280 parameters, 8224 always trainable: fp16 active set = 2 * (8224 + 9280) bytes per step
     assert f"'ddp/grad_bytes_per_step': {2 * (8224 + 9280)}" in log
+
+
+def test_causal_lm_example_runs_on_two_ranks_as_written(tmp_path):
+    """``examples/finetune_causal_lm.py`` (evaluate() before train(), no DDP-specific code) under 2-rank DDP."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
+
+    model_dir = build_tiny_lm_dir(tmp_path / "model", num_layers=3)
+    train_file = write_jsonl(tmp_path / "train.jsonl", copy_task_rows(80))
+    out = tmp_path / "out"
+    log = launch(
+        ["accelerate", "launch", "--config_file", "examples/accelerate_configs/cpu_2proc.yaml",
+         "--main_process_port", str(free_port()), "examples/finetune_causal_lm.py", "--model_name_or_path", model_dir,
+         "--train_file", train_file, "--output_dir", str(out), "--max_steps", "14", "--learning_rate", "1e-2"],
+        extra_env={"ACCELERATE_USE_CPU": "1", "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")},
+    )
+    losses = [line for line in log.splitlines() if line.startswith("eval loss:")]
+    assert len(losses) == 2 and losses[0] == losses[1], log[-3000:]  # both ranks, the same gathered evaluation
+    before, after = (float(x) for x in losses[0].removeprefix("eval loss:").split("->"))
+    assert after < before
+    assert (out / "adapter_model.safetensors").exists()
