@@ -252,7 +252,10 @@ class LisaArguments:
     mask_update_interval: int = field(
         default=1000, metadata={"help": "Re-select the sparse mask every this many steps; 0 never."}
     )
-    importance_steps: int = field(default=8, metadata={"help": "Batches of |dL/dW| per mask selection."})
+    importance_steps: int = field(default=8, metadata={"help": "Optimizer steps of |dL/dW| per mask selection."})
+    mask_keep_learned: float = field(
+        default=1.0, metadata={"help": "Weight of the learned |delta W| beside |dL/dW| when re-selecting the mask."}
+    )
     new_block_bonus: float = field(
         default=0.5, metadata={"help": "Importance bonus for mask cells switched on at the previous update."}
     )
@@ -610,6 +613,7 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
             mask_update_interval=lisa_args.mask_update_interval,
             importance_steps=lisa_args.importance_steps,
             new_block_bonus=lisa_args.new_block_bonus,
+            mask_keep_learned=lisa_args.mask_keep_learned,
             layer_interpolation=lisa_args.layer_interpolation,
             interpolation_beta_l2=lisa_args.interpolation_beta_l2,
             lisa_activated_layers=lisa_args.lisa_activated_layers,
