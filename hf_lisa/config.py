@@ -140,8 +140,8 @@ class LisaConfig(PeftConfig):
     mask_init: Literal["importance", "magnitude", "random", "dense"] = field(
         default="importance",
         metadata={
-            "help": "How M is chosen: 'importance' (|dL/dW| from calibration batches, selected by the scheduler "
-            "callback; |W| until then), 'magnitude' (|W|), 'random' (seeded) or 'dense' (all ones until the first "
+            "help": "How M is chosen: 'importance' (|dL/dW| over a fresh adapter's first importance_steps training "
+            "steps, with B held at 0, selected by the scheduler callback; |W| until then), 'magnitude' (|W|), 'random' (seeded) or 'dense' (all ones until the first "
             "re-selection)."
         },
     )
