@@ -6,12 +6,16 @@
 
 The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at the right events:
 
+* ``on_init_end``: prepare the Trainer being built (:func:`configure_trainer`): the LISA callbacks run before the
+  reporting integrations, and under DDP the wrap gets unused-parameter detection and the active-set all-reduce.
 * ``on_train_begin``: the Trainer has built the optimizer over every candidate parameter, prepared it and loaded any
   checkpoint; freeze everything but the first active set here (LMFlow #726), or restore the checkpointed schedule.
 * ``on_step_begin``: fires once per optimizer step, gradient accumulation included; switch when
-  ``global_step % K == 0``.
-* ``on_pre_optimizer_step``: gradients are present; feed the ``"importance"`` sampler.
-* ``on_log``: active blocks, parameter counts and optimizer-state bytes join the Trainer's logs.
+  ``global_step % K == 0``, re-assert the trainable set otherwise, then let the mask schedule select and track.
+* ``on_pre_optimizer_step``: gradients are complete; drop any that reached frozen parameters, feed the
+  ``"importance"`` sampler, fold the step's mask importance, apply the interpolation penalty's gradient.
+* ``on_optimizer_step``: project δ back into its bound.
+* ``on_log``: active blocks, parameter counts, optimizer-state bytes and mask/penalty values join the Trainer's logs.
 
 Checkpoint and resume: both callbacks are ``ExportableState``. Their state (sampler and generator, active set, mask
 bookkeeping, importance accumulators) is stored as exact JSON in ``trainer_state.json``. Resuming from ``checkpoint-N``
@@ -140,32 +144,20 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _fixed_batches(dataloader, num_batches: int, batch_size: int, rank: int, world_size: int, device) -> list:
-    """Deterministic batches from the training set, without touching the training dataloader or any RNG.
+def _probe_batch(dataloader, batch_size: int, device) -> Any:
+    """The first ``batch_size`` training examples, collated, without touching the training dataloader or any RNG.
 
-    Rank ``r`` of ``w`` takes examples ``r, r + w, r + 2w, ...`` (wrapping around a small dataset), so ranks see
-    different data and the all-reduced importance covers ``w`` times as many examples.
+    The same batch on every rank, so the loss measured around a mask re-selection is the same number everywhere.
     """
     base = getattr(dataloader, "base_dataloader", dataloader)
     dataset, collate = base.dataset, base.collate_fn
-    needed = num_batches * batch_size
     if isinstance(dataset, torch.utils.data.IterableDataset):
-        examples = []
-        for i, example in enumerate(dataset):
-            if i % world_size == rank:
-                examples.append(example)
-            if len(examples) == needed:
-                break
+        examples = [example for _, example in zip(range(batch_size), dataset)]
     else:
-        n = len(dataset)
-        if n == 0:
-            raise ValueError("The training dataset is empty; LISA mask calibration needs training batches.")
-        examples = [dataset[(rank + world_size * i) % n] for i in range(needed)]
-    return [
-        _to_device(collate(examples[i : i + batch_size]), device)
-        for i in range(0, len(examples), batch_size)
-        if examples[i : i + batch_size]
-    ]
+        examples = [dataset[i % len(dataset)] for i in range(batch_size)] if len(dataset) else []
+    if not examples:
+        raise ValueError("The training dataset is empty; LISA's mask schedule needs training batches.")
+    return _to_device(collate(examples), device)
 
 
 _CONFIGURED = "_hf_lisa_configured"
@@ -714,7 +706,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 layer_scheduler.freeze_all_but_active(optimizer, global_step=state.global_step)
         self._probe_batch = None
         if mask_scheduler is not None and self.measure_mask_change and mask_scheduler.update_interval:
-            self._probe_batch = _fixed_batches(train_dataloader, 1, args.per_device_train_batch_size, 0, 1, device)[0]
+            self._probe_batch = _probe_batch(train_dataloader, args.per_device_train_batch_size, device)
         self._model = model
         self._tuner = tuner if interpolation else None
         self.layer_scheduler = layer_scheduler
