@@ -220,8 +220,11 @@ class LisaLayer(BaseTunerLayer):
         if cached is None or cached[0] != key:
             spec = self.lisa_mask_spec[adapter_name]
             grid_shape = M.grid_shape((self.out_features, self.in_features), spec["structure"], spec["block_size"])
-            grid = M.unpack_mask(packed, grid_shape)
-            cached = (key, M.expand_grid(grid, spec["structure"], spec["block_size"]))
+            # a normal tensor even when first read under torch.inference_mode: the cache outlives that context, and
+            # autograd refuses to save inference tensors for a later training step or merge
+            with torch.inference_mode(False):
+                grid = M.unpack_mask(packed, grid_shape)
+                cached = (key, M.expand_grid(grid, spec["structure"], spec["block_size"]))
             self._mask_cache[adapter_name] = cached
         return cached[1]
 

@@ -31,11 +31,11 @@ TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING: dict[str, list[str]] = {
 
 
 _INJECT_INTERPOLATION_ERROR = (
-    "LISA adapter {adapter_name!r} has layer_interpolation=True: its per-block alpha/beta live on the PEFT tuner "
-    "(LisaModel), which peft.inject_adapter_in_model - and with it transformers' model.load_adapter, model.add_adapter "
-    "and AutoModel*.from_pretrained(adapter_dir) - builds and then drops, so alpha/beta would be silently ignored and "
-    "never trained. Load the adapter with peft.PeftModel.from_pretrained(base_model, adapter_dir) or "
-    "hf_lisa.from_pretrained(adapter_dir), and create one with peft.get_peft_model(model, LisaConfig(...))."
+    "LISA adapter {adapter_name!r} has layer_interpolation=True: its per-block alpha/beta are shared state stored on "
+    "the PEFT tuner (LisaModel), which peft.inject_adapter_in_model - and with it transformers' model.load_adapter, "
+    "model.add_adapter and AutoModel*.from_pretrained(adapter_dir) - builds and then drops, so alpha/beta would be "
+    "silently ignored and never trained. Load the adapter with peft.PeftModel.from_pretrained(base_model, adapter_dir) "
+    "or hf_lisa.from_pretrained(adapter_dir), and create one with peft.get_peft_model(model, LisaConfig(...))."
 )
 
 
@@ -139,10 +139,13 @@ class LisaModel(BaseTuner):
         if not config.layer_interpolation:
             return
         n_blocks = len(self._blocks(config))
-        weight = next(model.parameters())
+        # in the base model's float dtype, as PEFT moves every layer adapter; PeftModel's autocast_adapter_dtype then
+        # upcasts them with the rest (_cast_adapter_dtype)
+        weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+        like = {"device": weight.device, "dtype": weight.dtype} if weight is not None else {}
         # δ = 0 and β = 0: α = exp(0) = 1, so the adapted model starts as the base model
-        self.lisa_interp_delta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, device=weight.device))
-        self.lisa_interp_beta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, device=weight.device))
+        self.lisa_interp_delta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, **like))
+        self.lisa_interp_beta[adapter_name] = nn.Parameter(torch.zeros(n_blocks, **like))
         if not self._interp_hooks:
             for index, (_, block) in enumerate(self._blocks(config)):
                 self._interp_hooks.append(block.register_forward_hook(self._make_interp_hook(index)))
@@ -150,6 +153,16 @@ class LisaModel(BaseTuner):
         if adapter_name not in self.active_adapters or config.inference_mode:
             self.lisa_interp_delta[adapter_name].requires_grad_(False)
             self.lisa_interp_beta[adapter_name].requires_grad_(False)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+        # PEFT casts the adapters inside tuner layers only; α/β live on the tuner and follow the same rule
+        if not autocast_adapter_dtype:
+            return
+        for params in (self.lisa_interp_delta, self.lisa_interp_beta):
+            if adapter_name in params and params[adapter_name].dtype in (torch.float16, torch.bfloat16):
+                old = params[adapter_name]
+                params[adapter_name] = nn.Parameter(old.detach().float(), requires_grad=old.requires_grad)
 
     def _blocks(self, config: LisaConfig) -> list[tuple[str, nn.Module]]:
         return find_blocks(self.model, config.lisa_layers_attribute)
