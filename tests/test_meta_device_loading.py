@@ -14,9 +14,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_lisa  # noqa: F401  (registers LISA)
 from hf_lisa import LisaConfig
-from hf_lisa import masks as M
 from hf_lisa.layer import LisaLayer
-from tiny_models import randomize_adapters, tiny_llama
+from tiny_models import randomize_adapters, randomize_masks_and_interpolation, tiny_llama
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
 
@@ -52,17 +51,7 @@ def _save_trained_adapter(base_dir, adapter_dir, dtype=torch.float32, **config_k
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
     model = get_peft_model(base, LisaConfig(r=4, **config_kwargs), autocast_adapter_dtype=False)
     randomize_adapters(model)
-    gen = torch.Generator().manual_seed(321)
-    for layer in _lisa_layers(model).values():
-        if "default" in layer.lisa_mask:
-            spec = layer.lisa_mask_spec["default"]
-            scores = torch.rand(layer.out_features, layer.in_features, generator=gen)
-            layer.set_mask("default", M.select_mask(scores, spec["structure"], spec["sparsity"], spec["block_size"],
-                                                    spec["n_m"]))
-    if config_kwargs.get("layer_interpolation"):
-        with torch.no_grad():
-            model.base_model.lisa_interp_delta["default"].copy_(torch.tensor([0.3, -0.4, 0.2]))
-            model.base_model.lisa_interp_beta["default"].copy_(torch.tensor([0.5, -0.5, 0.25]))
+    randomize_masks_and_interpolation(model, seed=321)
     model.save_pretrained(adapter_dir)
 
 

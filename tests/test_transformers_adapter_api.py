@@ -15,9 +15,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_lisa  # noqa: F401  (registers LISA)
 from hf_lisa import LisaConfig
-from hf_lisa import masks as M
 from hf_lisa.layer import LisaLayer
-from tiny_models import randomize_adapters, tiny_llama
+from tiny_models import randomize_adapters, randomize_masks_and_interpolation, tiny_llama
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
 
@@ -47,17 +46,7 @@ def _save_trained_adapter(tmp_path, **config_kwargs):
     tiny_llama().save_pretrained(base_dir)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LisaConfig(r=4, **config_kwargs))
     randomize_adapters(model)
-    gen = torch.Generator().manual_seed(123)
-    for layer in _lisa_layers(model).values():
-        if "default" in layer.lisa_mask:
-            spec = layer.lisa_mask_spec["default"]
-            scores = torch.rand(layer.out_features, layer.in_features, generator=gen)
-            layer.set_mask("default", M.select_mask(scores, spec["structure"], spec["sparsity"], spec["block_size"],
-                                                    spec["n_m"]))
-    if config_kwargs.get("layer_interpolation"):
-        with torch.no_grad():
-            model.base_model.lisa_interp_delta["default"].copy_(torch.tensor([0.3, -0.4, 0.2]))
-            model.base_model.lisa_interp_beta["default"].copy_(torch.tensor([0.5, -0.5, 0.25]))
+    randomize_masks_and_interpolation(model, seed=123)
     model.save_pretrained(adapter_dir)
     return base_dir, adapter_dir, model
 
@@ -201,6 +190,6 @@ def test_peft_model_keeps_interpolation_where_transformers_refuses(interpolation
     base_dir, adapter_dir, _ = interpolation_adapter
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
     tuner = reference.base_model
-    torch.testing.assert_close(tuner.lisa_interp_beta["default"], torch.tensor([0.5, -0.5, 0.25]))
+    torch.testing.assert_close(tuner.lisa_interp_beta["default"], torch.linspace(0.5, -0.5, 3))
     direct = hf_lisa.LisaModel(tiny_llama(), LisaConfig(r=4, layer_interpolation=True), "default")
     assert direct.lisa_interp_delta["default"].shape == (3,)

@@ -61,3 +61,25 @@ def randomize_adapters(model, seed: int = 1, std: float = 0.1) -> None:
         for name, param in model.named_parameters():
             if "lisa_" in name or "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def randomize_masks_and_interpolation(model, seed: int = 123) -> None:
+    """Give every sparse LISA layer a random mask of its structure, and interpolation scalars non-trivial values, so
+    that a reloaded adapter can only match if masks and α/β were restored (a fresh injection computes other ones)."""
+    from hf_lisa import masks as M
+    from hf_lisa.layer import LisaLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    for layer in model.modules():
+        if isinstance(layer, LisaLayer) and "default" in layer.lisa_mask:
+            spec = layer.lisa_mask_spec["default"]
+            scores = torch.rand(layer.out_features, layer.in_features, generator=gen)
+            layer.set_mask(
+                "default", M.select_mask(scores, spec["structure"], spec["sparsity"], spec["block_size"], spec["n_m"])
+            )
+    tuner = model.base_model
+    if "default" in getattr(tuner, "lisa_interp_delta", {}):
+        n = tuner.lisa_interp_delta["default"].numel()
+        with torch.no_grad():
+            tuner.lisa_interp_delta["default"].copy_(torch.linspace(-0.4, 0.3, n))
+            tuner.lisa_interp_beta["default"].copy_(torch.linspace(0.5, -0.5, n))

@@ -75,9 +75,11 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
     losses = []
     for step in range(STEPS):
         if masks is not None:
-            masks.step(step)  # importance over steps 1-2 (all-reduced), re-selection at step 3
+            masks.step(step)  # importance over steps 0-1 (all-reduced), re-selection as step 2 begins
         loss = engine(**batch(rank)).loss
         engine.backward(loss)
+        if masks is not None:
+            masks.end_step()
         engine.step()
         losses.append(loss.item())
     after = snapshot(trainable, stage)

@@ -33,7 +33,7 @@ def test_adapter_path_trains_under_zero(ranks, stage, adapter):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sparse_mask_reselection_identical_on_both_ranks_under_zero(ranks, stage):
     a, b = ranks[0][f"zero{stage}"]["lisa"], ranks[1][f"zero{stage}"]["lisa"]
-    assert a["mask_updates"] == 1 and a["masks_changed"] > 0
+    assert a["mask_updates"] == 2 and a["masks_changed"] > 0  # as steps 2 and 5 begin: once per interval of 3
     assert a["mask_crc"] == b["mask_crc"]
 
 
