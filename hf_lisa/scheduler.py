@@ -821,6 +821,13 @@ class MaskScheduler:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. The masks themselves come back with the adapter weights."""
+        if state.get("version") != SCHEDULER_STATE_VERSION:
+            raise ValueError(
+                f"Cannot restore the mask schedule: the checkpoint stores version {state.get('version')!r} of its state "
+                f"and this hf-lisa reads version {SCHEDULER_STATE_VERSION} (per-layer calibration and re-selection). "
+                "Resume with the hf-lisa release that wrote the checkpoint, or start a new run from the saved adapter "
+                "(PeftModel.from_pretrained(..., is_trainable=True) keeps its masks)."
+            )
         names = [name for name, _ in self.layers]
         if list(state["layers"]) != names:
             raise ValueError(

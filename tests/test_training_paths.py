@@ -326,3 +326,12 @@ def test_every_sparse_layer_is_reselected_in_every_interval_its_block_trains(lis
         assert len(calibrations) == (1 if trained else 0), block
         first = calibrations[0] // u if calibrations else None
         assert sorted(reselections) == sorted(k for k in trained if k != first), block
+
+
+def test_mask_schedule_from_an_older_checkpoint_format_is_refused_with_a_clear_error(tiny_llama):
+    config = hf_lisa.LisaConfig(r=2, target_modules=["q_proj"], sparsity=0.5)
+    scheduler = MaskScheduler(get_peft_model(tiny_llama(num_layers=1), config))
+    state = scheduler.state_dict()
+    state["version"] = 1  # written before per-layer calibration and re-selection
+    with pytest.raises(ValueError, match="version 1 .* reads version 2"):
+        scheduler.load_state_dict(state)
