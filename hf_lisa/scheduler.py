@@ -158,7 +158,8 @@ class LayerwiseScheduler:
         self.block_params: list[list[nn.Parameter]] = []
         self.skipped_blocks: list[str] = []
         seen: set[int] = set()
-        for name, block in find_blocks(model, layers_attribute):
+        blocks = dict(find_blocks(model, layers_attribute))
+        for name, block in blocks.items():
             params = [p for p in block.parameters() if id(p) in candidate_ids and id(p) not in seen]
             seen.update(id(p) for p in params)
             if params:
@@ -178,7 +179,6 @@ class LayerwiseScheduler:
         # PEFT tuner layers per scheduled block: PEFT re-enables requires_grad on every adapter when it leaves
         # ``disable_adapter()`` (TRL's DPO reference pass) or on ``set_adapter``; its own per-layer
         # ``frozen_peft_weight_names`` is re-applied on those paths, so the schedule declares frozen blocks there too
-        blocks = dict(find_blocks(model, layers_attribute))
         self.block_tuner_layers: list[list[nn.Module]] = [
             [m for m in blocks[name].modules() if hasattr(m, "frozen_peft_weight_names")] for name in self.block_names
         ]

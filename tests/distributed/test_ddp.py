@@ -198,8 +198,11 @@ def test_causal_lm_example_runs_on_two_ranks_as_written(tmp_path):
          "--train_file", train_file, "--output_dir", str(out), "--max_steps", "14", "--learning_rate", "1e-2"],
         extra_env={"ACCELERATE_USE_CPU": "1", "TENSORBOARD_LOGGING_DIR": str(tmp_path / "tb")},
     )
-    losses = [line for line in log.splitlines() if line.startswith("eval loss:")]
-    assert len(losses) == 2 and losses[0] == losses[1], log[-3000:]  # both ranks, the same gathered evaluation
-    before, after = (float(x) for x in losses[0].removeprefix("eval loss:").split("->"))
+    import re
+
+    # both ranks print (a progress bar may share the line); the evaluation is gathered, so the values agree
+    losses = re.findall(r"eval loss: ([\d.]+) -> ([\d.]+)", log)
+    assert len(losses) == 2 and losses[0] == losses[1], log[-3000:]
+    before, after = (float(x) for x in losses[0])
     assert after < before
     assert (out / "adapter_model.safetensors").exists()
