@@ -49,6 +49,7 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_grad_sum: dict[str, torch.Tensor] = {}
         self.lisa_importance: dict[str, torch.Tensor] = {}
         self._mask_cache: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._lisa_mask_placeholders: dict[str, tuple[LisaConfig, str]] = {}
         in_features, out_features = _get_in_out_features(self.get_base_layer())
         if in_features is None:
             raise TypeError(f"LISA supports nn.Linear and Conv1D targets, got {type(self.get_base_layer()).__name__}.")
@@ -157,8 +158,6 @@ class LisaLayer(BaseTunerLayer):
     # -- masks on the meta device (low_cpu_mem_usage=True, meta-initialised models) --------------------------------------
     def _mask_placeholders(self) -> dict[str, tuple[LisaConfig, str]]:
         """``adapter -> (config, module_key)`` of masks that are still empty placeholders on the meta device."""
-        if "_lisa_mask_placeholders" not in self.__dict__:
-            self._lisa_mask_placeholders = {}
         return self._lisa_mask_placeholders
 
     def _add_mask_placeholder(self, adapter_name: str, config: LisaConfig, module_key: str) -> None:

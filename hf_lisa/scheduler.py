@@ -654,7 +654,7 @@ class MaskScheduler:
         self.window_steps = {name: 0 for name, _ in self.layers}
 
     # -- the two events ----------------------------------------------------------------------------------------------
-    def step(self, global_step: int, loss_fn: Optional[Callable[[], float]] = None) -> list[dict]:
+    def step(self, global_step: int, loss_fn: Optional[Callable[[], Optional[float]]] = None) -> list[dict]:
         """Call at the start of every optimizer step, *after* the layerwise switch of that step.
 
         Selects the masks of the trainable layers whose window is complete, then turns importance tracking on for the
@@ -734,7 +734,9 @@ class MaskScheduler:
             scores = M.add_new_block_bonus(scores, current, previous_new.to(scores.device), self.new_block_bonus)
         return scores
 
-    def select(self, global_step: int, names: Sequence[str], loss_fn: Optional[Callable[[], float]] = None) -> dict:
+    def select(
+        self, global_step: int, names: Sequence[str], loss_fn: Optional[Callable[[], Optional[float]]] = None
+    ) -> dict:
         """Re-select ``M`` of the layers ``names`` from their gathered importance, then clear it.
 
         Returns a record: step, layers, fraction of grid cells that changed, the fraction of ``ΔW``'s energy that the
@@ -742,7 +744,7 @@ class MaskScheduler:
         """
         layers = dict(self.layers)
         calibration = all(self.fresh[name] for name in names)  # B = 0: the function cannot change
-        loss_before = None if loss_fn is None or calibration else float(loss_fn())
+        loss_before = None if loss_fn is None or calibration else loss_fn()  # None: not measurable here
         changed = total = 0
         energy_before = energy_kept = 0.0
         for name in names:

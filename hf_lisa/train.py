@@ -684,26 +684,6 @@ def _trainer_class():
     return LisaTrainer
 
 
-def run_callbacks_before_reporting_integrations(trainer, callbacks: Sequence) -> None:
-    """Move ``callbacks`` (already on ``trainer``) ahead of the reporting integrations and the log printers.
-
-    The Trainer runs user callbacks after the integrations named by ``report_to``, which write ``logs`` in their own
-    ``on_log``: the ``lisa/*`` and ``monitor/*`` values that our callbacks add to ``logs`` would reach
-    ``log_history`` but never TensorBoard or wandb. The callbacks keep their relative order, and stay after
-    ``DefaultFlowCallback``. A stopgap for the Trainer built here, to be replaced once the callbacks place themselves.
-    """
-    from transformers.integrations import INTEGRATION_TO_CALLBACK
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    handler = trainer.callback_handler
-    moving = [cb for cb in callbacks if any(cb is present for present in handler.callbacks)]
-    handler.callbacks = [cb for cb in handler.callbacks if not any(cb is m for m in moving)]
-    readers = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type)) + (
-        PrinterCallback, ProgressCallback)
-    position = next((i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks))
-    handler.callbacks[position:position] = moving
-
-
 def _pin_tensorboard_logging_dir(trainer) -> None:
     """Fix TensorBoard's log dir now, as ``on_train_begin`` would: ``output_dir/runs/<time>_<host>``.
 
@@ -1112,8 +1092,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         layerwise_lr_decay=lisa_args.layerwise_lr_decay,
         layers_attribute=lisa_args.lisa_layers_attribute,
     )
-    monitor.attach(trainer)
-    run_callbacks_before_reporting_integrations(trainer, [*scheduling_callbacks, monitor])
+    monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
     _pin_tensorboard_logging_dir(trainer)
     # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
     from .distributed import configure_trainer_for_lisa

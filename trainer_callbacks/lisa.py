@@ -29,7 +29,6 @@ accumulators of a big model, when a checkpoint falls inside an importance window
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import warnings
@@ -190,14 +189,15 @@ def _calling_trainer():
 def configure_trainer(trainer) -> None:
     """Prepare a Trainer for the LISA callbacks it holds; idempotent.
 
-    * The LISA callbacks move to the front of the callback list, so the values they add in ``on_log`` reach every
-      reporting integration (TensorBoard, W&B, ...) and the printer, which ``Trainer`` registers before user callbacks.
+    * The LISA callbacks move ahead of the reporting integrations (TensorBoard, W&B, ...) and the printer, which
+      ``Trainer`` registers before user callbacks, so the values they add in ``on_log`` reach all of them.
     * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
       all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
     """
-    callbacks = trainer.callback_handler.callbacks
-    ours = [cb for cb in callbacks if isinstance(cb, _LisaCallbackBase)]
-    callbacks[:] = ours + [cb for cb in callbacks if not isinstance(cb, _LisaCallbackBase)]
+    from trainer_callbacks.ordering import run_before_reporting_integrations
+
+    ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
+    run_before_reporting_integrations(trainer, ours)
     if getattr(trainer, _CONFIGURED, False):
         return
     from hf_lisa.distributed import configure_trainer_for_lisa
@@ -739,23 +739,14 @@ class LisaAdapterCallback(_LisaCallbackBase):
             return None
         return float(loss)
 
-    def _measured_probe(self) -> Optional[Any]:
-        if self._probe_batch is None:
-            return None
-
-        def probe() -> float:
-            value = self._probe_loss()
-            return float("nan") if value is None else value
-
-        return probe
-
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # the layer switch first: masks are re-selected only in blocks that train in this step
         if self.layer_scheduler is not None:
             if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
                 self.layer_scheduler.enforce()
         if self.mask_scheduler is not None:
-            for record in self.mask_scheduler.step(state.global_step, self._measured_probe()):
+            probe = self._probe_loss if self._probe_batch is not None else None
+            for record in self.mask_scheduler.step(state.global_step, probe):
                 if record["kind"] == "calibration":
                     self._pending_logs["lisa/mask_calibrated_layers"] = record["layers_updated"]
                     continue
@@ -765,7 +756,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
                     "lisa/mask_changed_fraction": record["changed_fraction"],
                     "lisa/mask_retained_energy": record["retained_energy"],
                 }
-                if record["loss_before"] is not None and math.isfinite(record["loss_jump"]):
+                if record["loss_before"] is not None:
                     logs.update(
                         {
                             "lisa/mask_loss_before": record["loss_before"],

@@ -99,16 +99,11 @@ class TrainingMonitorCallback(TrainerCallback):
     def attach(self, trainer) -> "TrainingMonitorCallback":
         """Add this callback to ``trainer`` ahead of the reporting integrations and the progress printer, so that
         they all receive its scalars."""
-        from transformers.integrations import INTEGRATION_TO_CALLBACK
-        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+        from trainer_callbacks.ordering import run_before_reporting_integrations
 
-        handler = trainer.callback_handler
-        handler.callbacks = [cb for cb in handler.callbacks if cb is not self]
-        readers = (*INTEGRATION_TO_CALLBACK.values(), PrinterCallback, ProgressCallback)
-        position = next(
-            (i for i, cb in enumerate(handler.callbacks) if isinstance(cb, readers)), len(handler.callbacks)
-        )
-        handler.callbacks.insert(position, self)
+        if not any(cb is self for cb in trainer.callback_handler.callbacks):
+            trainer.callback_handler.callbacks.append(self)
+        run_before_reporting_integrations(trainer, [self])
         return self
 
     # -- setup ---------------------------------------------------------------------------------------------------------
