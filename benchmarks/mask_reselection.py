@@ -103,7 +103,7 @@ def run_one(keep_learned: float, ns: argparse.Namespace, task: dict, work_dir: s
     from transformers import PrinterCallback, Trainer, TrainingArguments, set_seed
 
     import hf_lisa
-    from trainer_callbacks import LisaAdapterCallback
+    from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
     set_seed(ns.seed)  # same base weights, same A initialisation, same data order in both runs
     config = hf_lisa.LisaConfig(

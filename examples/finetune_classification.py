@@ -29,7 +29,7 @@ from transformers import (
 
 import hf_lisa
 import hf_lisa.metrics
-from trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
 POSITIVE = ["wonderful", "great", "excellent", "delightful", "superb", "lovely", "fantastic", "enjoyable", "brilliant"]
 NEGATIVE = ["terrible", "awful", "boring", "dreadful", "horrible", "dull", "disappointing", "poor", "miserable"]

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from hf_lisa.data import data_collator, load_raw_datasets, tokenize_datasets
 from hf_lisa.demo_task import write_demo_dataset
 from hf_lisa.models import default_model_path
-from trainer_callbacks import LisaCallback
-from trainer_callbacks.monitoring import TrainingMonitorCallback
+from hf_lisa.trainer_callbacks import LisaCallback
+from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")

@@ -21,7 +21,7 @@ import hf_lisa
 from hf_lisa.data import load_raw_datasets
 from hf_lisa.demo_task import write_demo_dataset
 from hf_lisa.models import default_model_path
-from trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")

@@ -9,14 +9,8 @@
 
 from __future__ import annotations
 
-from .registration import PEFT_TYPE_LISA, register
-
-register()
-
-from .blocks import find_blocks  # noqa: E402
-from .config import LisaConfig  # noqa: E402
-from .layer import LisaLayer, Linear  # noqa: E402
-from .model import LisaModel  # noqa: E402
+from .blocks import find_blocks
+from .tuner import PEFT_TYPE_LISA, LisaConfig, LisaLayer, LisaModel, Linear, register  # registers LISA with PEFT
 
 __version__ = "0.1.0"
 

@@ -57,7 +57,7 @@ def lisa_config_reference(fmt: str = "markdown") -> str:
 
     from peft.config import PeftConfig
 
-    from .config import LisaConfig
+    from .tuner.config import LisaConfig
 
     inherited = {f.name for f in dataclasses.fields(PeftConfig)} - {"modules_to_save"}
     lines = ["| field | default | description |", "|---|---|---|"] if fmt == "markdown" else []

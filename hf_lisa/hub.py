@@ -554,7 +554,7 @@ def render_model_card(
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    import model_cards
+    from . import model_cards
 
     if mode not in PUSH_MODES:
         raise ValueError(f"mode={mode!r} is invalid; allowed: {PUSH_MODES}.")

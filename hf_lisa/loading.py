@@ -168,9 +168,6 @@ def from_pretrained(
         >>> model = hf_lisa.from_pretrained("user/smollm2-lisa-gsm8k", revision="v1")  # doctest: +SKIP
         ```
     """
-    from . import registration
-
-    registration.register()  # a no-op after `import hf_lisa`; keeps this module usable on its own
     source = _Source(repo_or_dir, revision, token)
     adapter_config = source.read_json(ADAPTER_CONFIG_NAME)
     if adapter_config is None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from . import masks as M
+from .tuner import masks as M
 from .blocks import _unwrap, find_blocks
 from .optim_state import OPTIMIZER_STATE_POLICIES, drop_optimizer_state, optimizer_state_bytes
 from .sampler import LayerSampler
@@ -469,7 +469,7 @@ class LayerwiseScheduler:
 
 def lisa_config_of(model: nn.Module, adapter_name: Optional[str] = None):
     """The ``LisaConfig`` of ``adapter_name`` (default: the active adapter) of a PEFT-wrapped model."""
-    from .config import LisaConfig
+    from .tuner.config import LisaConfig
 
     peft_config = getattr(model, "peft_config", None)
     if not isinstance(peft_config, dict) or not peft_config:
@@ -551,7 +551,7 @@ class MaskScheduler:
         interval_steps: Optional[int] = None,
         recalibrate: bool = False,
     ) -> None:
-        from .layer import LisaLayer
+        from .tuner.layer import LisaLayer
 
         config = lisa_config_of(model, adapter_name)
         self.adapter_name = _active_adapter_name(model, adapter_name)

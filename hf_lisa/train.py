@@ -579,7 +579,7 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
     if method == "full":
         return model, []
     if method == "lisa":
-        from trainer_callbacks import LisaCallback
+        from hf_lisa.trainer_callbacks import LisaCallback
 
         callback = LisaCallback(
             activated_layers=lisa_args.lisa_activated_layers,
@@ -595,9 +595,9 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
     from peft import get_peft_model
 
     if method == "lisa-adapter":
-        from trainer_callbacks import LisaAdapterCallback
+        from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
-        from .config import LisaConfig
+        from .tuner.config import LisaConfig
 
         config = LisaConfig(
             task_type="CAUSAL_LM",
@@ -1067,7 +1067,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
 
-    from trainer_callbacks.monitoring import TrainingMonitorCallback
+    from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
     monitor = TrainingMonitorCallback(
         plateau_grad_norm=lisa_args.monitor_plateau_grad_norm,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_lisa import masks as M
+from hf_lisa.tuner import masks as M
 
 
 @pytest.mark.parametrize("shape", [(8, 16), (32, 64), (6, 24)])

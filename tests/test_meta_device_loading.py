@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_lisa  # noqa: F401  (registers LISA)
 from hf_lisa import LisaConfig
-from hf_lisa.layer import LisaLayer
+from hf_lisa.tuner.layer import LisaLayer
 from tiny_models import randomize_adapters, randomize_masks_and_interpolation, tiny_llama
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])

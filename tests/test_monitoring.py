@@ -10,8 +10,8 @@ import torch
 from conftest import TokenDataset, build_tiny_llama, build_training_args
 from transformers import Trainer
 
-from trainer_callbacks import LisaCallback
-from trainer_callbacks.monitoring import GradientPlateauWarning, TrainingMonitorCallback
+from hf_lisa.trainer_callbacks import LisaCallback
+from hf_lisa.trainer_callbacks.monitoring import GradientPlateauWarning, TrainingMonitorCallback
 
 
 def _read_scalars(output_dir) -> dict[str, list[tuple[int, float]]]:

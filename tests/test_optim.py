@@ -58,7 +58,7 @@ def test_scheduler_keeps_the_ratios_between_blocks(tmp_path):
 
 
 def test_full_parameter_lisa_keeps_every_block_in_the_optimizer(tmp_path):
-    from trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback
 
     model = build_tiny_llama(num_layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

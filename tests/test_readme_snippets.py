@@ -108,7 +108,7 @@ def check_peft_quick_start(ns: dict) -> None:
 def check_trainer_api(ns: dict) -> None:
     from peft import PeftModel
 
-    from trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback
 
     trainer = ns["trainer"]  # the second one (the adapter run before it had to finish for this one to start)
     assert trainer.state.global_step == 2
@@ -124,7 +124,7 @@ def check_trl(ns: dict) -> None:
     from peft import PeftModel
     from trl import DPOTrainer
 
-    from trainer_callbacks import LisaAdapterCallback
+    from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
     trainer = ns["trainer"]  # the DPO one; the SFT run before it had to finish for this line to be reached
     assert isinstance(trainer, DPOTrainer) and trainer.state.global_step == 2

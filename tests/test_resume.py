@@ -10,9 +10,9 @@ from peft import get_peft_model
 from transformers import Trainer
 
 import hf_lisa
-from hf_lisa.layer import LisaLayer
-from trainer_callbacks import LisaAdapterCallback, LisaCallback
-from trainer_callbacks.lisa import SPILL_FILE
+from hf_lisa.tuner.layer import LisaLayer
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
+from hf_lisa.trainer_callbacks.lisa import SPILL_FILE
 
 
 def _per_step(trainer, key):

@@ -10,11 +10,11 @@ from peft import PeftModel, get_peft_model
 from transformers import Trainer
 
 import hf_lisa
-from hf_lisa import masks as M
-from hf_lisa.layer import LisaLayer
+from hf_lisa.tuner import masks as M
+from hf_lisa.tuner.layer import LisaLayer
 from hf_lisa.optim_state import unwrap_optimizer
 from hf_lisa.scheduler import MaskScheduler
-from trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
 
 def _train(model, args, dataset, callbacks=()):

@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback
 from hf_lisa.optim_state import optimizer_state_bytes, unwrap_optimizer
 from hf_lisa.sampler import LayerSampler
 from hf_lisa.scheduler import LayerwiseScheduler
-from trainer_callbacks import LisaCallback, check_lisa_training_setup
+from hf_lisa.trainer_callbacks import LisaCallback, check_lisa_training_setup
 
 
 def _train(model, args, dataset, callbacks=()):
@@ -224,7 +224,7 @@ _SCHEDULE_SCRIPT = textwrap.dedent(
     import json, sys, tempfile
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-    from trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback
 
     torch.manual_seed(int(sys.argv[2]))  # a different global RNG per process: the schedule must not depend on it
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,

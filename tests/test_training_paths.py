@@ -14,10 +14,10 @@ from peft import PeftModel, get_peft_model
 from transformers import Trainer, TrainerCallback
 
 import hf_lisa
-from hf_lisa.layer import LisaLayer
+from hf_lisa.tuner.layer import LisaLayer
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
 from hf_lisa.optim_state import unwrap_optimizer
-from trainer_callbacks import LisaAdapterCallback, LisaCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
 
 def _snapshot(model):

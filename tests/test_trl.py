@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 import hf_lisa
 from train_fixtures import build_char_tokenizer, build_tiny_lm_dir, copy_task_rows, write_jsonl
-from trainer_callbacks import LisaAdapterCallback, LisaCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
 trl = pytest.importorskip("trl", reason="TRL is the optional extra hf-lisa[trl]")
 datasets = pytest.importorskip("datasets")

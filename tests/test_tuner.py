@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import hf_lisa
 from hf_lisa import LisaConfig
-from hf_lisa.layer import LisaLayer
+from hf_lisa.tuner.layer import LisaLayer
 from tiny_models import randomize_adapters, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
@@ -177,7 +177,7 @@ def test_import_twice_and_reload_do_not_raise():
     from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
     from peft.utils import PeftType
 
-    importlib.reload(hf_lisa.registration)
+    importlib.reload(hf_lisa.tuner.peft_type)
     importlib.reload(hf_lisa)
     assert PeftType("LISA") is PeftType.LISA and PeftType.LISA.value == "LISA"
     assert PEFT_TYPE_TO_TUNER_MAPPING[PeftType.LISA] is hf_lisa.LisaModel

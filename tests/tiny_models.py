@@ -66,8 +66,8 @@ def randomize_adapters(model, seed: int = 1, std: float = 0.1) -> None:
 def randomize_masks_and_interpolation(model, seed: int = 123) -> None:
     """Give every sparse LISA layer a random mask of its structure, and interpolation scalars non-trivial values, so
     that a reloaded adapter can only match if masks and α/β were restored (a fresh injection computes other ones)."""
-    from hf_lisa import masks as M
-    from hf_lisa.layer import LisaLayer
+    from hf_lisa.tuner import masks as M
+    from hf_lisa.tuner.layer import LisaLayer
 
     gen = torch.Generator().manual_seed(seed)
     for layer in model.modules():

@@ -194,7 +194,7 @@ def configure_trainer(trainer) -> None:
     * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
       all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
     """
-    from trainer_callbacks.ordering import run_before_reporting_integrations
+    from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
 
     ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
     run_before_reporting_integrations(trainer, ours)
@@ -394,7 +394,7 @@ class LisaCallback(_LisaCallbackBase):
     Example:
         ```py
         >>> from transformers import Trainer, TrainingArguments
-        >>> from trainer_callbacks import LisaCallback
+        >>> from hf_lisa.trainer_callbacks import LisaCallback
         >>> trainer = Trainer(
         ...     model=model, args=TrainingArguments("out", max_steps=1000), train_dataset=train_dataset,
         ...     callbacks=[LisaCallback(activated_layers=2, interval_steps=20, seed=42)],
@@ -543,7 +543,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         ```py
         >>> import hf_lisa
         >>> from peft import get_peft_model
-        >>> from trainer_callbacks import LisaAdapterCallback
+        >>> from hf_lisa.trainer_callbacks import LisaAdapterCallback
         >>> config = hf_lisa.LisaConfig(r=8, sparsity=0.4, lisa_activated_layers=2, lisa_interval_steps=20)
         >>> model = get_peft_model(base_model, config)  # doctest: +SKIP
         >>> callbacks = [LisaAdapterCallback(seed=42)]
@@ -784,7 +784,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
 
 def _tuner_of(model):
     """The ``LisaModel`` inside a (possibly wrapped) ``PeftModel``, or ``None``."""
-    from hf_lisa.model import LisaModel
+    from hf_lisa.tuner.model import LisaModel
 
     while type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
         model = model.module

@@ -21,7 +21,7 @@ puts user callbacks after the integrations; :meth:`TrainingMonitorCallback.attac
 Example:
     ```py
     >>> from transformers import Trainer
-    >>> from trainer_callbacks.monitoring import TrainingMonitorCallback
+    >>> from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
     >>> trainer = Trainer(model=model, args=args, train_dataset=ds)  # doctest: +SKIP
     >>> TrainingMonitorCallback(plateau_steps=50).attach(trainer)  # doctest: +SKIP
     >>> trainer.train()  # doctest: +SKIP
@@ -99,7 +99,7 @@ class TrainingMonitorCallback(TrainerCallback):
     def attach(self, trainer) -> "TrainingMonitorCallback":
         """Add this callback to ``trainer`` ahead of the reporting integrations and the progress printer, so that
         they all receive its scalars."""
-        from trainer_callbacks.ordering import run_before_reporting_integrations
+        from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
 
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.callback_handler.callbacks.append(self)

@@ -42,7 +42,7 @@ def run_full(output_dir: str, per_device_batch: int = 2, max_steps: int = 8, com
     from transformers import Trainer
 
     from hf_lisa.distributed import configure_trainer_for_lisa
-    from trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback
 
     model = tiny_llama()
     callback = LisaCallback(activated_layers=GAMMA, interval_steps=INTERVAL, seed=SEED)
@@ -71,8 +71,8 @@ def run_adapter(output_dir: str) -> dict:
 
     import hf_lisa
     from hf_lisa.distributed import configure_trainer_for_lisa
-    from hf_lisa.layer import LisaLayer
-    from trainer_callbacks import LisaAdapterCallback
+    from hf_lisa.tuner.layer import LisaLayer
+    from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
     config = hf_lisa.LisaConfig(
         r=4, lisa_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], sparsity=0.5, mask_init="importance",
@@ -103,7 +103,7 @@ def run_user_code(output_dir: str) -> dict:
     from transformers import Trainer, TrainerCallback
 
     import hf_lisa
-    from trainer_callbacks import LisaAdapterCallback
+    from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
     def build(lam: float):
         config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], lisa_activated_layers=1,
@@ -152,7 +152,7 @@ def run_refusals(output_dir: str) -> dict:
     from transformers import Trainer
 
     from hf_lisa.distributed import UnsupportedEngineError, configure_trainer_for_lisa, ddp_kwargs_for_lisa
-    from trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback
 
     out = {}
     args = training_args(output_dir, 2, 2, activation_checkpointing=True,

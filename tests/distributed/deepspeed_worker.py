@@ -57,7 +57,7 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import hf_lisa
-    from hf_lisa.layer import LisaLayer
+    from hf_lisa.tuner.layer import LisaLayer
     from hf_lisa.scheduler import MaskScheduler
 
     if kind == "lora":

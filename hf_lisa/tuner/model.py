@@ -10,7 +10,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
-from .blocks import find_blocks
+from ..blocks import find_blocks
 from .config import LisaConfig
 from .layer import LisaLayer, Linear
 

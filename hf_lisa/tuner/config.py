@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 
 from .masks import SPARSITY_STRUCTURES
+from .peft_type import PEFT_TYPE_LISA
 
 MASK_INITS = ("importance", "magnitude", "random", "dense")
 LAYER_SAMPLING_STRATEGIES = ("uniform", "importance", "cyclic")
@@ -200,7 +201,6 @@ class LisaConfig(PeftConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from .registration import PEFT_TYPE_LISA
 
         self.peft_type = PEFT_TYPE_LISA
         self.target_modules = set(self.target_modules) if isinstance(self.target_modules, list) else self.target_modules
