@@ -1,7 +1,7 @@
 """Benchmark LISA against LoRA, full fine-tuning and the common naive LISA callback, side by side in one run.
 
 Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
-``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
+``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.train.data``), each in its own
 process so that peak memory is per method. A measuring callback records, per optimizer step: wall time, tokens,
 optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss; eval loss at fixed
 steps; and, on the bundled task, generation exact match at the end. The results go to stdout (markdown) and to
@@ -100,7 +100,7 @@ def _make_recorder(
     from transformers import TrainerCallback
 
     from benchmarks.theory import activation_bytes, adamw_state_bytes, block_kinds_for, expected_state_bytes
-    from hf_lisa.optim_state import optimizer_state_bytes
+    from hf_lisa.scheduler.optim_state import optimizer_state_bytes
 
     def sync():
         if device.type == "cuda":
@@ -283,7 +283,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     import peft
     from benchmarks.naive_lisa import NaiveLisaCallback
     from benchmarks.theory import ACTIVATION_FORMULA, parameter_inventory
-    from hf_lisa import data as data_lib
+    from hf_lisa.train import data as data_lib
     from hf_lisa.train import (
         DataArguments,
         LisaArguments,

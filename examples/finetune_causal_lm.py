@@ -14,7 +14,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import hf_lisa
-from hf_lisa.data import data_collator, load_raw_datasets, tokenize_datasets
+from hf_lisa.train.data import data_collator, load_raw_datasets, tokenize_datasets
 from hf_lisa.demo_task import write_demo_dataset
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback

@@ -12,7 +12,7 @@ import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from hf_lisa.data import data_collator, load_raw_datasets, tokenize_datasets
+from hf_lisa.train.data import data_collator, load_raw_datasets, tokenize_datasets
 from hf_lisa.demo_task import write_demo_dataset
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaCallback

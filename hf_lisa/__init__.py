@@ -10,12 +10,16 @@
 from __future__ import annotations
 
 from .blocks import find_blocks
-from .tuner import PEFT_TYPE_LISA, LisaConfig, LisaLayer, LisaModel, Linear, register  # registers LISA with PEFT
+from .tuner import PEFT_TYPE_LISA, LisaConfig, LisaLayer, LisaModel, Linear, register  # noqa: F401 (registers LISA)
 
 __version__ = "0.1.0"
 
+from . import _moved  # noqa: E402
+
+_moved.install()  # hf-lisa 0.1 module paths (hf_lisa.config, hf_lisa.data, ...) still import, with a FutureWarning
+
 # Hub helpers load lazily: huggingface_hub's upload machinery and the card templates are not needed to train
-_LAZY = {"push_to_hub": "hub", "from_pretrained": "loading"}
+_LAZY = {"push_to_hub": "hub", "from_pretrained": "hub.load"}
 
 
 def __getattr__(name: str):

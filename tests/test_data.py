@@ -7,7 +7,7 @@ import logging
 import pytest
 from train_fixtures import build_char_tokenizer, write_jsonl
 
-from hf_lisa.data import (
+from hf_lisa.train.data import (
     IGNORE_INDEX,
     DataError,
     data_collator,
@@ -85,7 +85,7 @@ def test_bad_rows_are_skipped_counted_and_logged(tmp_path, tokenizer, caplog):
         {"prompt": "say b", "completion": None},
         {"prompt": "long " * 40, "completion": "zzz"},
     ]
-    with caplog.at_level(logging.WARNING, logger="hf_lisa.data"):
+    with caplog.at_level(logging.WARNING, logger="hf_lisa.train.data"):
         tokenized, report = _tokenize(tmp_path, tokenizer, rows, max_seq_length=64)
     assert len(tokenized["train"]) == 1
     assert report.skipped["train"] == {"empty prompt or completion": 2, "longer than max_seq_length=64": 1}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_lisa.blocks import find_blocks
-from hf_lisa.optim import layerwise_lr_decay_param_groups
+from hf_lisa.scheduler.param_groups import layerwise_lr_decay_param_groups
 
 
 def _tiny_bart():

@@ -290,7 +290,7 @@ CONSUMER = textwrap.dedent('''
     out["without_import"] = {"ok": missing, "hf_lisa_imported": "hf_lisa" in sys.modules}
 
     import hf_lisa
-    from hf_lisa.loading import explain_missing_import
+    from hf_lisa.hub.load import explain_missing_import
     out["hint"] = {"ok": str(explain_missing_import(key_error))}
 
     from huggingface_hub import ModelCard, hf_hub_download, model_info

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TokenDataset, build_tiny_llama, build_training_args
 
-from hf_lisa.optim import assign_param_groups, layerwise_lr, layerwise_lr_decay_param_groups
+from hf_lisa.scheduler.param_groups import assign_param_groups, layerwise_lr, layerwise_lr_decay_param_groups
 from hf_lisa.train import _trainer_class
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_lisa.json_state import decode_state, encode_state
-from hf_lisa.sampler import LayerSampler
+from hf_lisa.scheduler.sampler import LayerSampler
 
 
 @pytest.mark.parametrize("strategy", ["uniform", "importance", "cyclic"])

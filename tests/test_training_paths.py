@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback
 import hf_lisa
 from hf_lisa.tuner.layer import LisaLayer
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
-from hf_lisa.optim_state import unwrap_optimizer
+from hf_lisa.scheduler.optim_state import unwrap_optimizer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
 

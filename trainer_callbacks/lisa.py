@@ -40,8 +40,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
 from hf_lisa.json_state import decode_state, encode_state, has_spilled
-from hf_lisa.optim_state import OPTIMIZER_STATE_POLICIES, exclude_from_weight_decay, optimizer_state_bytes
-from hf_lisa.sampler import LAYER_SAMPLING_STRATEGIES
+from hf_lisa.scheduler.optim_state import OPTIMIZER_STATE_POLICIES, exclude_from_weight_decay, optimizer_state_bytes
+from hf_lisa.scheduler.sampler import LAYER_SAMPLING_STRATEGIES
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 
 SPILL_FILE = "lisa_scheduler_tensors.safetensors"
@@ -380,7 +380,7 @@ class LisaCallback(_LisaCallbackBase):
         activated_layers (`int`, defaults to `2`): γ (LMFlow's ``lisa_activated_layers``), ``1 <= γ <= N``.
         interval_steps (`int`, defaults to `20`): K (``lisa_interval_steps``), optimizer steps per period.
         sampling (`str`, defaults to `"uniform"`): ``"uniform"`` (the paper), ``"importance"`` (running gradient
-            norm) or ``"cyclic"`` (every block once per cycle); see :class:`hf_lisa.sampler.LayerSampler`.
+            norm) or ``"cyclic"`` (every block once per cycle); see :class:`hf_lisa.scheduler.sampler.LayerSampler`.
         seed (`int`, defaults to `42`): seed of the sampler; every rank draws the same blocks.
         always_trainable (`Sequence[str]`, defaults to `("embeddings", "lm_head", "norm", "heads")`): what trains
             throughout: keywords (``"heads"`` is every other parameter outside the blocks, e.g. a classifier's

@@ -226,7 +226,7 @@ class TrainingMonitorCallback(TrainerCallback):
                     trainable += p.numel()
             values[self.prefix + "trainable_params"] = float(trainable)
         if optimizer is not None:
-            from hf_lisa.optim_state import optimizer_state_bytes
+            from hf_lisa.scheduler.optim_state import optimizer_state_bytes
 
             values[self.prefix + "optimizer_state_bytes"] = float(optimizer_state_bytes(optimizer))
         return values

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .tuner.config import LAYER_SAMPLING_STRATEGIES
+from ..tuner.config import LAYER_SAMPLING_STRATEGIES
 
 __all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
 

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Optional, Union
 
-from .errors import MISSING_IMPORT_HINT, LisaNotRegisteredError
+from ..errors import MISSING_IMPORT_HINT, LisaNotRegisteredError
 
 logger = logging.getLogger(__name__)
 

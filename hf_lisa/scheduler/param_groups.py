@@ -17,7 +17,7 @@ candidate block must already have its group (LMFlow #726 is the bug this avoids)
 Example:
     ```py
     >>> import torch
-    >>> from hf_lisa.optim import layerwise_lr_decay_param_groups
+    >>> from hf_lisa.scheduler.param_groups import layerwise_lr_decay_param_groups
     >>> groups = layerwise_lr_decay_param_groups(model, lr=1e-4, decay=0.9)  # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(groups)  # doctest: +SKIP
     >>> [(g["name"], g["lr"]) for g in optimizer.param_groups][:2]  # doctest: +SKIP
@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from .blocks import find_blocks
+from ..blocks import find_blocks
 
 EMBEDDINGS_GROUP = "embeddings"
 HEAD_GROUP = "head"

@@ -1,0 +1,36 @@
+"""Share LISA models on the Hugging Face Hub: adapter-only or merged weights, a real model card, one atomic commit.
+
+``push_to_hub`` builds everything in a temporary folder (weights as safetensors, configs, tokenizer, ``README.md``),
+checks it, and uploads it as a single ``create_commit``: an upload that fails midway leaves the repo as it was.
+What today's stack gets wrong, and this module does not:
+
+- ``PeftModel.push_to_hub`` publishes a card without ``base_model``, so the adapter never shows under its base model;
+  the card here carries ``base_model``, ``base_model_relation``, ``library_name``, tags, license and ``model-index``.
+- ``Trainer.push_to_hub`` uploads a pickled ``training_args.bin``; nothing pickled is ever uploaded here (allowlist
+  plus a final assertion), and loading refuses pickle unless asked.
+- Transient HTTP errors (5xx, 429, dropped connections) are retried with exponential backoff, without ever committing
+  twice: the commit names its parent, and a retry first checks whether the previous attempt already landed.
+
+Modules: :mod:`.staging` (what is uploaded), :mod:`.card` (the model card), :mod:`.push` (the commit),
+:mod:`.load` (``from_pretrained``, ``explain_missing_import``), :mod:`.cli` (``hf-lisa push``).
+"""
+
+from __future__ import annotations
+
+from ..errors import MISSING_IMPORT_HINT
+from .card import render_model_card
+from .cli import hub_cli
+from .load import explain_missing_import, from_pretrained
+from .push import push_to_hub
+from .staging import PICKLE_SUFFIXES, HubPushError
+
+__all__ = [
+    "MISSING_IMPORT_HINT",
+    "PICKLE_SUFFIXES",
+    "HubPushError",
+    "explain_missing_import",
+    "from_pretrained",
+    "hub_cli",
+    "push_to_hub",
+    "render_model_card",
+]

@@ -1,0 +1,83 @@
+"""Fine-tune a causal LM with LISA (or LoRA, DoRA, full fine-tuning) from the command line.
+
+Runs under ``accelerate launch`` as a module, or through the ``hf-lisa`` command::
+
+    accelerate launch -m hf_lisa.train examples/configs/smollm2_lisa.yaml --max_steps 200
+    hf-lisa train --method lisa-adapter --train_file data.jsonl --output_dir out --max_steps 100
+
+Arguments are the fields of four dataclasses, parsed by ``HfArgumentParser``: [`ModelArguments`],
+[`DataArguments`], [`LisaArguments`] and transformers' full ``TrainingArguments``. Names follow transformers'
+``run_clm.py`` where they exist. A YAML (or JSON) file given as the first argument supplies values; command-line
+flags after it override them (the command line wins). ``hf-lisa config-reference`` prints every option.
+
+Every ``--method`` uses the same data, the same ``Trainer``, the same evaluation and the same monitoring, so that runs
+compare fairly; only the model wrapping and the scheduling callback differ:
+
+* ``lisa``: full-parameter LISA on the plain model (``trainer_callbacks.LisaCallback``), saved as full weights;
+* ``lisa-adapter``: a ``LisaConfig`` PEFT adapter (``trainer_callbacks.LisaAdapterCallback``), saved as an adapter;
+* ``lora`` / ``dora``: PEFT's LoRA / DoRA with the same ``r``, ``lisa_alpha`` and ``target_modules``;
+* ``full``: every parameter trains.
+
+With no ``--model_name_or_path`` the embedded SmolLM2-135M-Instruct is used (see [`hf_lisa.models`]); with no data
+argument the bundled arithmetic task (see [`hf_lisa.demo_task`]).
+
+Example (Python):
+    ```py
+    >>> from hf_lisa.train import main
+    >>> argv = ["--method", "lora", "--train_file", "data.jsonl", "--output_dir", "out", "--max_steps", "10"]
+    >>> summary = main(argv)  # doctest: +SKIP
+    >>> summary["metrics"]["eval_loss"]  # doctest: +SKIP
+    ```
+
+
+The package, in the order a run uses it:
+
+* :mod:`.arguments`: the option dataclasses, YAML/JSON + command line, the cross-checks;
+* :mod:`.data`: training files to tokenised rows (prompt/completion, chat messages, plain text);
+* :mod:`.methods`: model loading and the ``--method`` wrapping;
+* :mod:`.trainer`: the ``Trainer`` class (layer-wise learning-rate decay);
+* :mod:`.evaluation`: token metrics and generation exact match;
+* :mod:`.outputs`: summary, loss plot, final model, model card;
+* :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` runs ``main()``."""
+
+from __future__ import annotations
+
+from .arguments import (
+    ADAPTER_METHODS,
+    ARGUMENT_CLASSES,
+    METHODS,
+    PUSH_MODES,
+    DataArguments,
+    LisaArguments,
+    ModelArguments,
+    parse_args,
+    validate_args,
+)
+from .evaluation import compute_metrics, generation_exact_match, generation_rows
+from .methods import apply_method, load_model_and_tokenizer, resolve_model_path
+from .outputs import TRAINING_SUMMARY_NAME, save_final_model, trainable_summary
+from .run import main, run
+from .trainer import _trainer_class  # noqa: F401  (benchmarks; see trainer.py)
+
+__all__ = [
+    "ADAPTER_METHODS",
+    "ARGUMENT_CLASSES",
+    "METHODS",
+    "PUSH_MODES",
+    "TRAINING_SUMMARY_NAME",
+    "DataArguments",
+    "LisaArguments",
+    "ModelArguments",
+    "apply_method",
+    "compute_metrics",
+    "generation_exact_match",
+    "generation_rows",
+    "load_model_and_tokenizer",
+    "main",
+    "parse_args",
+    "resolve_model_path",
+    "run",
+    "save_final_model",
+    "trainable_summary",
+    "validate_args",
+]

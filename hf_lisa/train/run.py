@@ -1,0 +1,276 @@
+"""``run()``: one fine-tuning job from parsed arguments to the saved model, top to bottom."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+import torch
+
+from .arguments import ADAPTER_METHODS, DataArguments, LisaArguments, ModelArguments, parse_args
+from .evaluation import (
+    _metrics_line,
+    compute_metrics,
+    generation_exact_match,
+    generation_rows,
+    preprocess_logits_for_metrics,
+)
+from .methods import apply_method, lisa_knobs, load_model_and_tokenizer, resolve_model_path
+from .outputs import (
+    LOSS_PLOT_NAME,
+    SUMMARY_PREFIX,
+    TRAINING_SUMMARY_NAME,
+    _jsonable,
+    _license_for,
+    _summary_callback,
+    _write_model_card,
+    plot_losses,
+    save_final_model,
+)
+from .trainer import _trainer_class
+
+logger = logging.getLogger("hf_lisa.train")
+
+
+def _pin_tensorboard_logging_dir(trainer) -> None:
+    """Fix TensorBoard's log dir now, as ``on_train_begin`` would: ``output_dir/runs/<time>_<host>``.
+
+    ``TensorBoardCallback`` only chooses that directory in ``on_train_begin``; anything logged before (our evaluation
+    before training) creates its writer with ``log_dir=None``, i.e. ``./runs`` of the current directory, and training
+    then keeps that writer. ``TENSORBOARD_LOGGING_DIR`` (transformers 5's replacement for ``logging_dir``) and a
+    ``logging_dir`` on the arguments, where one exists, still win.
+    """
+    from transformers.integrations import TensorBoardCallback
+    from transformers.integrations.integration_utils import default_logdir
+
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, TensorBoardCallback) and cb.tb_writer is None and cb.logging_dir is None:
+            cb.logging_dir = getattr(trainer.args, "logging_dir", None) or os.path.join(
+                trainer.args.output_dir, default_logdir()
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------------
+def _setup_logging(training_args) -> None:
+    import datasets
+    import transformers
+
+    level = training_args.get_process_log_level()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        handlers=[logging.StreamHandler(sys.stdout)])
+    logger.setLevel(logging.INFO if training_args.should_log else level)
+    logging.getLogger("hf_lisa").setLevel(logging.INFO if training_args.should_log else level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+
+
+def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArguments, training_args) -> dict:
+    """Train with already-parsed arguments and return the training summary (also written to the output dir)."""
+    from transformers import set_seed
+
+    from . import data as data_lib
+    from .. import demo_task
+
+    _setup_logging(training_args)
+    started = time.time()
+    # the Trainer's own push would upload a pickled training_args.bin and a card without base_model: push ourselves
+    push_repo = training_args.hub_model_id if training_args.push_to_hub else None
+    training_args.push_to_hub = False
+    if not torch.cuda.is_available():
+        training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
+    set_seed(training_args.seed)
+
+    # -- data ----------------------------------------------------------------------------------------------------------
+    bundled = data_args.train_file is None and data_args.dataset_name is None
+    if bundled:
+        with training_args.main_process_first(desc="writing the bundled task"):
+            data_args.train_file, data_args.validation_file = demo_task.cached_dataset_files(
+                data_args.demo_train_samples
+            )
+        if data_args.answer_pattern is None:
+            data_args.answer_pattern = r"####\s*(-?\d+)"
+        if data_args.eval_generation_samples is None:
+            data_args.eval_generation_samples = 64
+    raw = data_lib.load_raw_datasets(
+        train_file=data_args.train_file, validation_file=data_args.validation_file,
+        dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
+        validation_split_percentage=data_args.validation_split_percentage, seed=training_args.seed,
+        cache_dir=model_args.cache_dir,
+    )
+    if data_args.max_train_samples:
+        raw["train"] = raw["train"].select(range(min(data_args.max_train_samples, len(raw["train"]))))
+    if data_args.max_eval_samples and "validation" in raw:
+        raw["validation"] = raw["validation"].select(range(min(data_args.max_eval_samples, len(raw["validation"]))))
+
+    # -- model ---------------------------------------------------------------------------------------------------------
+    path, base_model_id = resolve_model_path(model_args)
+    model, tokenizer = load_model_and_tokenizer(model_args, path)
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized, report = data_lib.tokenize_datasets(
+            raw, tokenizer, max_seq_length=data_args.max_seq_length, data_format=data_args.data_format,
+            completion_only_loss=data_args.completion_only_loss, overlength=data_args.overlength,
+            chat_template=data_args.chat_template, text_column=data_args.text_column,
+            prompt_column=data_args.prompt_column, completion_column=data_args.completion_column,
+            messages_column=data_args.messages_column, num_proc=data_args.preprocessing_num_workers,
+            load_from_cache_file=not data_args.overwrite_cache,
+        )
+    chat = data_lib._use_chat_template(tokenizer, data_args.chat_template)
+    if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+
+    from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
+
+    monitor = TrainingMonitorCallback(
+        plateau_grad_norm=lisa_args.monitor_plateau_grad_norm,
+        plateau_steps=lisa_args.monitor_plateau_steps,
+        num_block_groups=lisa_args.monitor_block_groups,
+        layers_attribute=lisa_args.lisa_layers_attribute,
+    )
+    start_info: dict = {}
+    callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
+                                                          lisa_args.lisa_layers_attribute, start_info)]
+    eval_dataset = tokenized.get("validation")
+    trainer = _trainer_class()(
+        model=model,
+        args=training_args,
+        train_dataset=tokenized["train"],
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=data_lib.data_collator(tokenizer),
+        compute_metrics=compute_metrics if eval_dataset is not None else None,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
+        callbacks=callbacks,
+        layerwise_lr_decay=lisa_args.layerwise_lr_decay,
+        layers_attribute=lisa_args.lisa_layers_attribute,
+    )
+    monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
+    _pin_tensorboard_logging_dir(trainer)
+    # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
+    from ..distributed import configure_trainer_for_lisa
+
+    configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
+                               powersgd_start_iter=lisa_args.powersgd_start_iter)
+
+    # -- before --------------------------------------------------------------------------------------------------------
+    n_gen = data_args.eval_generation_samples or 0
+    gen_rows = []
+    if n_gen and "validation" in raw and report.data_format in ("prompt_completion", "messages"):
+        gen_rows = generation_rows(raw["validation"], report.data_format, data_args, n_gen)
+    metrics: dict[str, float] = {}
+
+    def evaluate_all(suffix: str) -> None:
+        if eval_dataset is not None:
+            result = trainer.evaluate()
+            for key in ("eval_loss", "eval_perplexity", "eval_token_accuracy"):
+                if key in result:
+                    metrics[key + suffix] = float(result[key])
+        if gen_rows:
+            score, samples = generation_exact_match(
+                trainer.model, tokenizer, gen_rows, chat, max_new_tokens=data_args.generation_max_new_tokens,
+                batch_size=training_args.per_device_eval_batch_size * 2, answer_pattern=data_args.answer_pattern,
+                lenient=data_args.answer_lenient,
+            )
+            metrics["eval_exact_match" + suffix] = score
+            if trainer.is_world_process_zero():
+                logger.info("exact match%s: %.3f; e.g. %r -> %r", suffix or " after", score,
+                            samples[0]["prompt"], samples[0]["generation"])
+
+    evaluate_all("_before")
+    before_line = _metrics_line(metrics, "_before")
+    if trainer.is_world_process_zero() and before_line:
+        print(f"[{SUMMARY_PREFIX}] before training: {before_line}", flush=True)
+
+    # -- train ---------------------------------------------------------------------------------------------------------
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics["train_loss"] = float(train_result.training_loss)
+    evaluate_all("")
+    after_line = _metrics_line(metrics, "")
+    if trainer.is_world_process_zero() and after_line:
+        print(f"[{SUMMARY_PREFIX}] after training:  {after_line}", flush=True)
+
+    # -- outputs -------------------------------------------------------------------------------------------------------
+    output_dir = training_args.output_dir
+    save_final_model(trainer, trainer.model, tokenizer, output_dir, lisa_args.method)
+    summary = {
+        "base_model": base_model_id,
+        "method": lisa_args.method,
+        "lisa": lisa_knobs(lisa_args),
+        "hyperparameters": {
+            "learning_rate": training_args.learning_rate,
+            "max_steps": trainer.state.global_step,
+            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "world_size": training_args.world_size,
+            "max_seq_length": data_args.max_seq_length,
+            "warmup_steps": training_args.warmup_steps,
+            "lr_scheduler_type": _jsonable(training_args.lr_scheduler_type),
+            "weight_decay": training_args.weight_decay,
+            "max_grad_norm": training_args.max_grad_norm,
+            "optim": _jsonable(training_args.optim),
+            "bf16": training_args.bf16,
+            "gradient_checkpointing": bool(training_args.gradient_checkpointing),
+            "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
+            "seed": training_args.seed,
+        },
+        "metrics": metrics,
+        "datasets": [data_args.dataset_name] if data_args.dataset_name else [],
+        # the bundled task has no Hub id: leave it out of the card metadata rather than invent one
+        "dataset_name": data_args.dataset_name,
+        "data": {
+            "source": "hf-lisa bundled arithmetic task (hf_lisa.demo_task)" if bundled else (
+                data_args.dataset_name or data_args.train_file),
+            "format": report.data_format,
+            "train_file": data_args.train_file,
+            "validation_file": data_args.validation_file,
+            "rows_kept": report.kept,
+            "rows_skipped": report.skipped,
+        },
+        "loss_plot": None,
+        "license": _license_for(base_model_id),
+        "trainable": start_info,
+        "runtime_seconds": round(time.time() - started, 1),
+        "output_dir": output_dir,
+        "arguments": {
+            "model": _jsonable(asdict(model_args)),
+            "data": _jsonable(asdict(data_args)),
+            "lisa": _jsonable(asdict(lisa_args)),
+        },
+    }
+    if trainer.is_world_process_zero():
+        plot = plot_losses(
+            trainer.state.log_history, os.path.join(output_dir, LOSS_PLOT_NAME),
+            before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
+            final_step=trainer.state.global_step,
+            title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
+        )
+        summary["loss_plot"] = LOSS_PLOT_NAME if plot else None
+        with open(os.path.join(output_dir, TRAINING_SUMMARY_NAME), "w") as f:
+            json.dump(_jsonable(summary), f, indent=2)
+        _write_model_card(output_dir, summary, lisa_args.method)
+        kind = "adapter" if lisa_args.method in ADAPTER_METHODS else "full weights"
+        extra = f", {LOSS_PLOT_NAME}" if plot else ""
+        print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "
+              f"{summary['runtime_seconds']:.0f} s", flush=True)
+        if push_repo:
+            from ..hub import push_to_hub
+
+            mode = lisa_args.push_mode or ("adapter" if lisa_args.method in ADAPTER_METHODS else "merged")
+            info = push_to_hub(output_dir, push_repo, mode=mode, private=training_args.hub_private_repo,
+                               token=training_args.hub_token, base_model=base_model_id if "/" in base_model_id
+                               and not os.path.exists(base_model_id) else None)
+            summary["pushed_to"] = str(info)
+            print(f"[{SUMMARY_PREFIX}] pushed {mode} to {push_repo}: {info}", flush=True)
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Parse ``argv`` (``sys.argv[1:]`` by default), train, save, and return the training summary."""
+    return run(*parse_args(argv))
