@@ -105,7 +105,7 @@ def _load_model(path: str, device):
 def run_method(method: str, args, model_path: str, device, budget_s: float) -> dict:
     import torch
 
-    from hf_lisa.scheduler.optim_state import optimizer_state_bytes
+    from hf_lisa.scheduler import optimizer_state_bytes
 
     cuda = device.type == "cuda"
     if cuda:

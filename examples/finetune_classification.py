@@ -5,7 +5,7 @@ intermediate (FFN) layer, in ONE ``LisaConfig`` through ``sparsity_pattern``.
     python examples/finetune_classification.py --tiny    # a tiny BERT built from config (random weights)
 
 The data is a small synthetic sentiment task generated here (offline, seeded): "the film was wonderful" → positive.
-Accuracy is computed with the accuracy metric shipped in hf-lisa (no Hub fetch).
+Accuracy is computed with hf-lisa's plain NumPy metric `hf_lisa.train.evaluation.accuracy` (no Hub fetch).
 """
 
 import argparse
@@ -28,7 +28,7 @@ from transformers import (
 )
 
 import hf_lisa
-import hf_lisa.metrics
+from hf_lisa.train.evaluation import accuracy
 from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
 POSITIVE = ["wonderful", "great", "excellent", "delightful", "superb", "lovely", "fantastic", "enjoyable", "brilliant"]
@@ -87,12 +87,11 @@ train = Dataset.from_dict(sentiment_rows(512, seed=args.seed))
 test = Dataset.from_dict(sentiment_rows(200, seed=args.seed + 1))
 train, test = (ds.map(lambda b: tokenizer(b["text"], truncation=True, max_length=32), batched=True,
                       remove_columns=["text"]) for ds in (train, test))
-accuracy = hf_lisa.metrics.load("accuracy")
 
 
 def compute_metrics(eval_pred):
     logits, labels = eval_pred
-    return accuracy.compute(predictions=np.argmax(logits, axis=-1), references=labels)
+    return {"accuracy": accuracy(np.argmax(logits, axis=-1), labels)}
 
 
 training_args = TrainingArguments(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .blocks import find_blocks
 from .tuner import PEFT_TYPE_LISA, LisaConfig, LisaLayer, LisaModel, Linear, register  # noqa: F401 (registers LISA)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import _moved  # noqa: E402
 

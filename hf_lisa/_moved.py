@@ -1,7 +1,9 @@
 """Module paths of hf-lisa 0.1, kept importable for one release: each one warns and hands over its new module.
 
 ``import hf_lisa.config`` gives the very module object of ``hf_lisa.tuner.config`` (same classes, same state), with a
-``FutureWarning`` that names the new path. Nothing is copied; the finder only aliases.
+``FutureWarning`` that names the new path; so do the old top-level packages ``trainer_callbacks`` and ``model_cards``
+(now ``hf_lisa.trainer_callbacks`` and ``hf_lisa.model_cards``) and their submodules. Nothing is copied; the finder
+only aliases.
 """
 
 from __future__ import annotations
@@ -25,6 +27,24 @@ MOVED_MODULES = {
     "hf_lisa.data": "hf_lisa.train.data",
     "hf_lisa.loading": "hf_lisa.hub.load",
 }
+#: old top-level packages -> their place in the one namespace; their submodules follow
+MOVED_PACKAGES = {"trainer_callbacks": "hf_lisa.trainer_callbacks", "model_cards": "hf_lisa.model_cards"}
+
+
+def new_name(fullname: str):
+    """The 0.2 path of an 0.1 module path, or ``None`` when ``fullname`` did not move."""
+    if fullname in MOVED_MODULES:
+        return MOVED_MODULES[fullname]
+    top, _, rest = fullname.partition(".")
+    if top in MOVED_PACKAGES and rest:
+        return f"{MOVED_PACKAGES[top]}.{rest}"
+    return None
+
+
+def _warn(old: str, new: str, stacklevel: int) -> None:
+    warnings.warn(
+        f"`{old}` moved to `{new}` in hf-lisa 0.2; the old path is removed in 0.3.", FutureWarning, stacklevel=stacklevel
+    )
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -40,15 +60,23 @@ class _AliasLoader(importlib.abc.Loader):
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        new = MOVED_MODULES.get(fullname)
+        new = new_name(fullname)
         if new is None:
             return None
-        warnings.warn(
-            f"`{fullname}` moved to `{new}` in hf-lisa 0.2; the old path is removed in 0.3.", FutureWarning, stacklevel=3
-        )
+        if fullname in MOVED_MODULES:  # submodules of a moved package: its own import already warned
+            _warn(fullname, new, stacklevel=3)
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(new))
 
 
 def install() -> None:
+    """Put the alias finder first: a moved package's folder may still be on ``sys.path`` (a checkout, an old wheel)."""
     if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(_MovedModuleFinder())
+        sys.meta_path.insert(0, _MovedModuleFinder())
+
+
+def hand_over(old: str) -> None:
+    """Called by the old top-level package ``old`` as it is imported: warn, then become the canonical module."""
+    new = MOVED_PACKAGES[old]
+    _warn(old, new, stacklevel=4)
+    install()
+    sys.modules[old] = importlib.import_module(new)

@@ -1,19 +1,22 @@
-"""The ``hf-lisa`` command.
+"""The ``hf-lisa`` command: one ``argparse`` parser with a subcommand each.
 
 ::
 
     hf-lisa train [CONFIG.yaml] [--key value ...]   fine-tune (same as `accelerate launch -m hf_lisa.train ...`)
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
-    hf-lisa config-reference [--format markdown|text] [--update-docs [FILE]]   (default: README.md and docs/training.md)
+    hf-lisa config-reference [--format markdown|text] [--update-docs [FILE ...]]   (README.md, docs/training.md)
+
+``train`` and ``demo`` hand the rest of the command line to ``hf-lisa train``'s ``HfArgumentParser``
+(:func:`hf_lisa.train.parse_args`, itself an ``argparse`` parser); ``push`` takes the arguments of
+:func:`hf_lisa.hub.cli.add_push_arguments`.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Optional, Sequence
-
-USAGE = __doc__.split("::", 1)[1].strip("\n")
 
 COMMANDS = ("train", "demo", "push", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
@@ -53,17 +56,10 @@ def _field_default(f):
 
 def lisa_config_reference(fmt: str = "markdown") -> str:
     """The fields of ``hf_lisa.LisaConfig`` (LISA's own, not PEFT's generic ones), from their help metadata."""
-    import dataclasses
+    from .tuner.config import lisa_config_fields
 
-    from peft.config import PeftConfig
-
-    from .tuner.config import LisaConfig
-
-    inherited = {f.name for f in dataclasses.fields(PeftConfig)} - {"modules_to_save"}
     lines = ["| field | default | description |", "|---|---|---|"] if fmt == "markdown" else []
-    for f in dataclasses.fields(LisaConfig):
-        if f.name in inherited:
-            continue
+    for f in lisa_config_fields():
         help_text = f.metadata.get("help", "")
         if fmt == "markdown":
             lines.append(f"| `{f.name}` | `{_field_default(f)!r}` | {help_text.replace('|', chr(92) + '|')} |")
@@ -73,13 +69,15 @@ def lisa_config_reference(fmt: str = "markdown") -> str:
 
 
 def config_reference(fmt: str = "markdown") -> str:
-    """The configuration reference of ``hf-lisa train``, generated from the dataclasses' help metadata.
+    """The configuration reference of ``hf-lisa train``, generated from the dataclasses' help metadata and, for the
+    method's options, the methods that use them (``hf_lisa.train.methods.OPTION_METHODS``).
 
     ``TrainingArguments`` is summarised by a pointer to the transformers documentation rather than repeated.
     """
     import dataclasses
 
-    from .train import ARGUMENT_CLASSES
+    from .train import ARGUMENT_CLASSES, METHODS
+    from .train.methods import OPTION_METHODS
 
     lines = []
     for cls in ARGUMENT_CLASSES:
@@ -91,6 +89,8 @@ def config_reference(fmt: str = "markdown") -> str:
         for f in dataclasses.fields(cls):
             default = _field_default(f)
             help_text = f.metadata.get("help", "")
+            if OPTION_METHODS.get(f.name, METHODS) != METHODS:
+                help_text += f" Methods: {', '.join(OPTION_METHODS[f.name])}."
             if fmt == "markdown":
                 cell = help_text.replace("|", "\\|")
                 lines.append(f"| `--{f.name}` | `{default!r}` | {cell} |")
@@ -107,49 +107,80 @@ def config_reference(fmt: str = "markdown") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train import main as train_main
+
+    try:
+        train_main(args.rest)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hf-lisa train: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args.rest)
+
+
+def _push(args: argparse.Namespace) -> int:
+    from .hub.cli import push_command
+
+    return push_command(args)
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    if args.update_docs is not None:
+        for target in args.update_docs or DOC_FILES:
+            update_docs(target)
+            print(f"updated {target}")
+        return 0
+    print(config_reference(args.format), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-lisa`` parser: one subcommand per job, each with its handler as ``func``."""
+    from .hub.cli import PUSH_DESCRIPTION, add_push_arguments
+
+    parser = argparse.ArgumentParser(prog="hf-lisa", description="LISA fine-tuning for the Hugging Face stack.")
+    commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True)
+    # train and demo take no arguments here: the rest of the command line, --help included, goes to hf-lisa train's
+    # HfArgumentParser (see main)
+    for name, func, summary in (
+        ("train", _train, "fine-tune: [CONFIG.yaml] [--option value ...]; `hf-lisa train --help` lists the options"),
+        ("demo", _demo, "the embedded demo (SmolLM2-135M + LISA on the bundled task); any train option overrides it"),
+    ):
+        commands.add_parser(name, help=summary, add_help=False).set_defaults(func=func, takes_train_options=True)
+    push = commands.add_parser("push", help="push a training output to the Hub", description=PUSH_DESCRIPTION)
+    add_push_arguments(push).set_defaults(func=_push)
+    reference = commands.add_parser(
+        "config-reference", help="print the options of hf-lisa train, or regenerate the docs' reference sections"
+    )
+    reference.add_argument("--format", choices=("markdown", "text"), default="markdown")
+    reference.add_argument(
+        "--update-docs", "--update_docs", dest="update_docs", nargs="*", metavar="FILE", default=None,
+        help=f"rewrite the generated sections of FILE (default: {', '.join(DOC_FILES)}) instead of printing",
+    )
+    reference.set_defaults(func=_config_reference)
+    return parser
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``hf-lisa`` script; returns the exit code."""
+    """Entry point of the ``hf-lisa`` script; returns the exit code (argparse's 2 for invalid arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(f"usage:\n{USAGE}")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "train":
-        from .train import main as train_main
-
-        if rest and rest[0] in ("-h", "--help"):
-            from transformers import HfArgumentParser
-
-            from .train import _argument_classes
-
-            HfArgumentParser(_argument_classes()).print_help()
-            return 0
-        try:
-            train_main(rest)
-        except (ValueError, FileNotFoundError) as err:
-            print(f"hf-lisa train: error: {err}", file=sys.stderr)
-            return 2
-        return 0
-    if command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main(rest)
-    if command == "push":
-        from .hub import hub_cli
-
-        return hub_cli(rest)
-    if command == "config-reference":
-        if "--update-docs" in rest:
-            targets = rest[rest.index("--update-docs") + 1 :][:1] or list(DOC_FILES)
-            for target in targets:
-                update_docs(target)
-                print(f"updated {target}")
-            return 0
-        fmt = "text" if "--format" in rest and rest[rest.index("--format") + 1 :][:1] == ["text"] else "markdown"
-        print(config_reference(fmt), end="")
-        return 0
-    print(f"hf-lisa: unknown command {command!r}; allowed: {', '.join(COMMANDS)}.\nusage:\n{USAGE}", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if rest and not getattr(args, "takes_train_options", False):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as exc:  # --help, or invalid arguments
+        return int(exc.code or 0)
+    args.rest = rest
+    return args.func(args)
 
 
 if __name__ == "__main__":

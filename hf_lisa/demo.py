@@ -12,51 +12,46 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-DEMO_DEFAULTS: dict[str, str] = {
+DEMO_DEFAULTS: dict[str, Any] = {
     "method": "lisa",
-    "lisa_activated_layers": "2",
-    "lisa_interval_steps": "20",
-    "max_steps": "60",
-    "per_device_train_batch_size": "8",
-    "per_device_eval_batch_size": "16",
-    "learning_rate": "2e-4",
+    "lisa_activated_layers": 2,
+    "lisa_interval_steps": 20,
+    "max_steps": 60,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "learning_rate": 2e-4,
     "lr_scheduler_type": "cosine",
-    "warmup_steps": "5",
-    "weight_decay": "0.0",
-    "max_seq_length": "160",
-    "eval_generation_samples": "48",
-    "max_eval_samples": "48",
-    "logging_steps": "5",
-    "logging_first_step": "true",
+    "warmup_steps": 5,
+    "weight_decay": 0.0,
+    "max_seq_length": 160,
+    "eval_generation_samples": 48,
+    "max_eval_samples": 48,
+    "logging_steps": 5,
+    "logging_first_step": True,
     "eval_strategy": "steps",
-    "eval_steps": "20",
+    "eval_steps": 20,
     "save_strategy": "no",
     "report_to": "tensorboard",
-    "seed": "42",
+    "seed": 42,
     "output_dir": "outputs",
 }
 
 
-def demo_argv(argv: Sequence[str]) -> list[str]:
-    """The demo's defaults followed by ``argv``, so that user flags win."""
-    given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
-    defaults = [tok for key, value in DEMO_DEFAULTS.items() if key not in given for tok in (f"--{key}", value)]
-    return defaults + list(argv)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the demo; returns the exit code (0 when exact match improved)."""
-    from .train import main as train_main
+    """Run the demo: ``hf-lisa train`` with :data:`DEMO_DEFAULTS` as the defaults, so that any option given in
+    ``argv`` (or a config file first in it) wins. Returns the exit code: 0 when exact match improved."""
+    from .train import parse_args, run
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         print("defaults: " + " ".join(f"--{k} {v}" for k, v in DEMO_DEFAULTS.items()))
+        print("Every `hf-lisa train` option is accepted (`hf-lisa train --help`).")
         return 0
     started = time.time()
-    summary = train_main(demo_argv(argv))
+    summary = run(*parse_args(argv, defaults=DEMO_DEFAULTS))
     metrics = summary["metrics"]
     elapsed = time.time() - started
     rows = [

@@ -14,21 +14,10 @@ Example:
 
 from __future__ import annotations
 
-if __name__ in ("model_cards",):  # the pre-0.2 top-level name: hand over to the one canonical module
-    import importlib as _importlib
-    import sys as _sys
-    import warnings as _warnings
+if __name__ == "model_cards":  # the 0.1 top-level name: warn and hand over to hf_lisa.model_cards
+    from hf_lisa._moved import hand_over
 
-    _warnings.warn(
-        "`import model_cards` is deprecated and will be removed in hf-lisa 0.3; use `import hf_lisa.model_cards` "
-        "(the same module).",
-        FutureWarning,
-        stacklevel=2,
-    )
-    _canonical = _importlib.import_module("hf_lisa.model_cards")
-    for _sub in ():
-        _sys.modules[f"model_cards.{_sub}"] = _importlib.import_module(f"hf_lisa.model_cards.{_sub}")
-    _sys.modules[__name__] = _canonical
+    hand_over(__name__)
 else:
     from pathlib import Path
 

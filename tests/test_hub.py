@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from hf_lisa.errors import MISSING_IMPORT_HINT  # noqa: E402
 from hf_lisa.hub import (  # noqa: E402
     PICKLE_SUFFIXES,
     HubPushError,
+    TrainingSummary,
     explain_missing_import,
     hub_cli,
     push_to_hub,
@@ -538,11 +540,13 @@ def snapshot(hub, repo_id):
 
 def test_wrong_token_fails_clearly_without_commit_or_leak(hub, trained, pushed, caplog):
     before = snapshot(hub, "alice/lisa-adapter")
+    creates = len(hub.requests_of("create"))
     with caplog.at_level(logging.DEBUG), pytest.raises(HubPushError) as info:
         push_to_hub(trained["dir"], "alice/lisa-adapter", token=WRONG_TOKEN, endpoint=hub.url)
     message = str(info.value)
     assert "HTTP 401" in message and "token is invalid" in message and "creating the repository" in message
     assert info.value.status == 401
+    assert len(hub.requests_of("create")) == creates + 1  # a 401 is not retried
     assert WRONG_TOKEN not in message and WRONG_TOKEN not in caplog.text
     assert snapshot(hub, "alice/lisa-adapter") == before
 
@@ -553,9 +557,11 @@ def test_refused_repo_fails_clearly_without_commit(hub, api, trained, pushed):
                     repo_id="alice/frozen")
     hub.refuse("alice/frozen")
     before = snapshot(hub, "alice/frozen")
+    creates = len(hub.requests_of("create"))
     with pytest.raises(HubPushError, match=r"refused the write \(HTTP 403\).*read-only") as info:
         push_to_hub(trained["dir"], "alice/frozen", token=WRITE_TOKEN, endpoint=hub.url)
     assert info.value.status == 403
+    assert len(hub.requests_of("create")) == creates + 1  # a 403 is not retried
     assert snapshot(hub, "alice/frozen") == before
     # another user's namespace is refused the same way
     before = snapshot(hub, "alice/lisa-adapter")
@@ -586,15 +592,28 @@ def test_server_dying_mid_upload_leaves_the_repo_unchanged(hub, pushed, base_dir
     finally:
         hub.restart()
     message = str(info.value)
-    assert "uploading the files and creating the commit" in message and "2 attempt(s)" in message
+    assert "creating the commit" in message and "2 attempt(s)" in message and info.value.stage == "creating the commit"
     assert "left as it was" in message and WRITE_TOKEN not in message
     assert set(hub.state.objects) - objects_before, "the server died before any upload: nothing was tested"
     assert snapshot(hub, "alice/lisa-adapter") == before
 
 
+def test_offline_mode_fails_at_once_without_a_request(hub, trained, pushed, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    requests = len(hub.state.requests)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    started = time.monotonic()
+    with pytest.raises(HubPushError, match="offline mode is enabled") as info:
+        push_to_hub(trained["dir"], "alice/offline", token=WRITE_TOKEN, endpoint=hub.url, retry_base_wait=5.0)
+    assert time.monotonic() - started < 5.0  # no backoff: offline mode is not a transient error
+    assert info.value.stage == "creating the repository" and info.value.status is None
+    assert len(hub.state.requests) == requests and not hub.has_repo("alice/offline")
+
+
 def test_transient_errors_are_retried_into_exactly_one_commit(hub, pushed, base_dir):
     hub.drop_next("lfs_put")  # huggingface_hub's own backoff retries the upload
-    hub.fail_next("commit", status=503)  # ours retries the commit
+    hub.fail_next("commit", status=503)  # huggingface_hub never retries a commit request; push_to_hub does
     info = push_to_hub(fresh_adapter(base_dir, seed=11), "alice/retry", token=WRITE_TOKEN, base_model=BASE_REPO,
                        endpoint=hub.url, retry_base_wait=0.05)
     commits = [r for r in hub.requests_of("commit") if "alice/retry/" in r.path]
@@ -615,6 +634,37 @@ def test_lost_commit_response_is_not_committed_twice(hub, pushed, base_dir):
 # ----------------------------------------------------------------------------------------------------------------------
 # card validation and CLI errors
 # ----------------------------------------------------------------------------------------------------------------------
+def test_typed_summary_and_rendered_card_are_used_as_given(hub, trained, pushed):
+    adapter_config = json.loads((trained["dir"] / "adapter_config.json").read_text())
+    summary = TrainingSummary(base_model=BASE_REPO, method="lisa-adapter", metrics={"eval_loss": 0.5},
+                              datasets=["openai/gsm8k"], license="mit", loss_plot="loss.png")
+    # the object is used instead of the directory's training_summary.json (eval_loss 1.2345, no license)
+    push_to_hub(trained["dir"], "alice/typed-summary", token=WRITE_TOKEN, endpoint=hub.url, training_summary=summary)
+    body = hub.files("alice/typed-summary")["README.md"].decode()
+    assert "| eval_loss | 0.5 |" in body and "1.2345" not in body and "license: mit" in body
+    # a card rendered once (here from the object; the dict renders the same card) is uploaded as it is
+    card = render_model_card("alice/card-once", "adapter", adapter_config=adapter_config, summary=summary,
+                             loss_plot=summary.loss_plot)
+    assert str(render_model_card("alice/card-once", "adapter", adapter_config=adapter_config,
+                                 summary=summary.to_dict(), loss_plot=summary.loss_plot)) == str(card)
+    push_to_hub(trained["dir"], "alice/card-once", token=WRITE_TOKEN, endpoint=hub.url, training_summary=summary,
+                card=card)
+    assert hub.files("alice/card-once")["README.md"].decode() == str(card)
+
+
+def test_training_summary_round_trips_the_json_keys(trained, tmp_path, caplog):
+    on_disk = json.loads((trained["dir"] / "training_summary.json").read_text())
+    summary = TrainingSummary.from_dir(trained["dir"])
+    assert summary.method == "lisa-adapter" and summary.lisa["activated_layers"] == 2
+    assert {k: summary.to_dict()[k] for k in on_disk} == on_disk  # the same keys and values as the file
+    summary.save(tmp_path)
+    assert TrainingSummary.from_dir(tmp_path) == summary
+    assert TrainingSummary.from_dir(tmp_path / "missing") == TrainingSummary()
+    with caplog.at_level(logging.WARNING, logger="hf_lisa.hub"):
+        assert TrainingSummary.from_dict({"method": "lora", "methd": "x", "datasets": "a/b"}).datasets == ["a/b"]
+    assert "Ignoring training summary keys ['methd']" in caplog.text
+
+
 def test_card_without_hub_base_omits_base_model_and_passes_validation(hub, caplog):
     from huggingface_hub.utils import get_session
 

@@ -7,7 +7,7 @@ import torch
 from conftest import TokenDataset, build_tiny_llama, build_training_args
 
 from hf_lisa.scheduler.param_groups import assign_param_groups, layerwise_lr, layerwise_lr_decay_param_groups
-from hf_lisa.train import _trainer_class
+from hf_lisa.train import LisaTrainer
 
 
 def _group_lrs(optimizer) -> dict[str, float]:
@@ -17,7 +17,7 @@ def _group_lrs(optimizer) -> dict[str, float]:
 def test_trainer_optimizer_has_the_formula_rates_per_block(tmp_path):
     lr, decay, n = 1e-3, 0.5, 4
     model = build_tiny_llama(num_layers=n)
-    trainer = _trainer_class()(
+    trainer = LisaTrainer(
         model=model, args=build_training_args(tmp_path, learning_rate=lr, weight_decay=0.1),
         train_dataset=TokenDataset(8), layerwise_lr_decay=decay,
     )
@@ -39,7 +39,7 @@ def test_trainer_optimizer_has_the_formula_rates_per_block(tmp_path):
 
 def test_scheduler_keeps_the_ratios_between_blocks(tmp_path):
     model = build_tiny_llama(num_layers=3)
-    trainer = _trainer_class()(
+    trainer = LisaTrainer(
         model=model,
         args=build_training_args(tmp_path, learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="cosine"),
         train_dataset=TokenDataset(16), layerwise_lr_decay=0.8,
@@ -63,7 +63,7 @@ def test_full_parameter_lisa_keeps_every_block_in_the_optimizer(tmp_path):
     model = build_tiny_llama(num_layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     callback = LisaCallback(activated_layers=1, interval_steps=1, sampling="cyclic", seed=0)
-    trainer = _trainer_class()(
+    trainer = LisaTrainer(
         model=model, args=build_training_args(tmp_path, learning_rate=1e-2, max_steps=4),
         train_dataset=TokenDataset(16), callbacks=[callback], layerwise_lr_decay=0.9,
     )

@@ -1,18 +1,24 @@
-"""Resuming from a mid-interval ``checkpoint-N`` follows the uninterrupted run exactly (CPU, fp32: bit for bit)."""
+"""Resuming from a mid-interval ``checkpoint-N`` follows the uninterrupted run exactly (CPU, fp32: bit for bit).
+
+The schedule's small values are in ``trainer_state.json``, its tensors in ``checkpoint-N/lisa_state.safetensors``."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 from peft import get_peft_model
+from safetensors.torch import load_file
 from transformers import Trainer
 
 import hf_lisa
 from hf_lisa.tuner.layer import LisaLayer
+from hf_lisa.scheduler import SCHEDULER_STATE_VERSION
+from hf_lisa.scheduler.state import LISA_STATE_FILE
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
-from hf_lisa.trainer_callbacks.lisa import SPILL_FILE
 
 
 def _per_step(trainer, key):
@@ -66,12 +72,21 @@ def _adapter_weights_and_masks(model):
     return weights, masks
 
 
-@pytest.mark.parametrize("spill", [False, True], ids=["state-in-json", "tensors-in-side-file"])
+def _stored_schedule(checkpoint: str, name: str) -> dict:
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        return json.load(f)["stateful_callbacks"][name]["attributes"]["resume_state"]
+
+
+def _tensor_refs(tree) -> set:
+    if isinstance(tree, dict):
+        return {tree["__tensor__"]} if "__tensor__" in tree else set().union(*map(_tensor_refs, tree.values()))
+    return set().union(*map(_tensor_refs, tree)) if isinstance(tree, list) else set()
+
+
+@pytest.mark.parametrize("restore_flag", [True, False], ids=["restore-callback-states", "from-trainer-state"])
 def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
-    tiny_llama, token_dataset, training_args, monkeypatch, spill
+    tiny_llama, token_dataset, training_args, restore_flag
 ):
-    if spill:  # every tensor goes to checkpoint-N/lisa_scheduler_tensors.safetensors
-        monkeypatch.setattr(LisaAdapterCallback, "inline_state_max_bytes", 0)
     config = hf_lisa.LisaConfig(
         r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance", mask_update_interval=4,
         importance_steps=2, new_block_bonus=0.5, lisa_activated_layers=2, lisa_interval_steps=2,
@@ -79,14 +94,20 @@ def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
     )
     # checkpoint-3: mid layer period (3 % 2) and inside the importance window [2, 4) of the re-selection at step 4
     args = training_args(max_steps=9, save_strategy="steps", save_steps=3,
-                         restore_callback_states_from_checkpoint=not spill)
+                         restore_callback_states_from_checkpoint=restore_flag)
     first_model = get_peft_model(tiny_llama(seed=0), config)
     first = Trainer(
         model=first_model, args=args, train_dataset=token_dataset(), callbacks=[LisaAdapterCallback(seed=3)]
     )
     first.train()
     checkpoint = os.path.join(args.output_dir, "checkpoint-3")
-    assert os.path.isfile(os.path.join(checkpoint, SPILL_FILE)) == spill
+    # small values in trainer_state.json, every tensor (sampler generator, new-cell grids) in lisa_state.safetensors
+    stored = _stored_schedule(checkpoint, "LisaAdapterCallback")
+    assert stored["version"] == SCHEDULER_STATE_VERSION and stored["global_step"] == 3
+    tensors = load_file(os.path.join(checkpoint, LISA_STATE_FILE))
+    assert _tensor_refs(stored) == set(tensors) and "layers/sampler/generator" in tensors
+    assert any(key.startswith("masks/new_cells/") for key in tensors)
+    assert not [f for f in os.listdir(checkpoint) if f.endswith(".tmp")]  # written atomically
 
     resumed_model = get_peft_model(tiny_llama(seed=0), config)
     resumed = Trainer(
@@ -110,3 +131,37 @@ def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
         assert torch.equal(masks_a[name], masks_b[name]), name
     for name in weights_a:
         assert torch.equal(weights_a[name], weights_b[name]), name
+
+
+def test_resume_refuses_a_missing_or_older_schedule_with_a_clear_error(tiny_llama, token_dataset, training_args):
+    args = training_args(max_steps=2, save_strategy="steps", save_steps=1)
+
+    def trainer():
+        return Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
+                       callbacks=[LisaCallback(activated_layers=1, interval_steps=2)])
+
+    trainer().train()
+    checkpoint = os.path.join(args.output_dir, "checkpoint-1")
+    assert os.path.isfile(os.path.join(args.output_dir, "checkpoint-2", LISA_STATE_FILE))
+
+    # the tensor file of another checkpoint: written at another step
+    state_file = os.path.join(checkpoint, LISA_STATE_FILE)
+    shutil.copy(os.path.join(args.output_dir, "checkpoint-2", LISA_STATE_FILE), state_file)
+    with pytest.raises(RuntimeError, match="written at step 2 but training resumes at step 1"):
+        trainer().train(resume_from_checkpoint=checkpoint)
+
+    os.remove(state_file)
+    with pytest.raises(FileNotFoundError, match=f"{LISA_STATE_FILE} is missing"):
+        trainer().train(resume_from_checkpoint=checkpoint)
+
+    # hf-lisa 0.1 (state version 2) kept the tensors inside trainer_state.json
+    path = os.path.join(checkpoint, "trainer_state.json")
+    with open(path) as f:
+        trainer_state = json.load(f)
+    stored = trainer_state["stateful_callbacks"]["LisaCallback"]["attributes"]["resume_state"]
+    del stored["version"]
+    stored["layers"]["version"] = 2
+    with open(path, "w") as f:
+        json.dump(trainer_state, f)
+    with pytest.raises(ValueError, match=f"version 2 of its state .* reads version {SCHEDULER_STATE_VERSION}"):
+        trainer().train(resume_from_checkpoint=checkpoint)

@@ -16,6 +16,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
 from hf_lisa import cli
 from hf_lisa.train import METHODS, main, parse_args
+from hf_lisa.train.arguments import lisa_config_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,14 +30,24 @@ def tiny(tmp_path_factory):
     return {"root": root, "model": model_dir, "train": train, "validation": validation}
 
 
-def _common(tiny, output_dir, *extra) -> list[str]:
+#: the method options these runs set, by method (an option a method does not use is refused)
+METHOD_OPTIONS = {
+    "lisa": ["--lisa_activated_layers", "1", "--lisa_interval_steps", "2"],
+    "lisa-adapter": ["--r", "4", "--lisa_activated_layers", "1", "--lisa_interval_steps", "2"],
+    "lora": ["--r", "4"],
+    "dora": ["--r", "4"],
+    "full": [],
+}
+
+
+def _common(tiny, output_dir, method, *extra) -> list[str]:
     return [
         "--model_name_or_path", tiny["model"], "--train_file", tiny["train"], "--validation_file", tiny["validation"],
         "--output_dir", str(output_dir), "--max_steps", "4", "--per_device_train_batch_size", "4",
         "--per_device_eval_batch_size", "8", "--learning_rate", "5e-3", "--logging_steps", "2",
         "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true",
         "--eval_generation_samples", "4", "--generation_max_new_tokens", "4", "--max_seq_length", "64",
-        "--r", "4", "--lisa_activated_layers", "1", "--lisa_interval_steps", "2", *extra,
+        "--method", method, *METHOD_OPTIONS[method], *extra,
     ]
 
 
@@ -49,10 +60,10 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_saves_and_reloads(tiny, tmp_path, method):
     out = tmp_path / method
-    extra = ["--method", method]
+    extra = []
     if method == "lisa-adapter":
         extra += ["--sparsity", "0.5", "--mask_init", "random", "--mask_update_interval", "0"]
-    summary = main(_common(tiny, out, *extra))
+    summary = main(_common(tiny, out, method, *extra))
 
     files = set(os.listdir(out))
     assert {"training_summary.json", "loss.png", "README.md", "training_args.json", "tokenizer.json"} <= files
@@ -115,11 +126,25 @@ def test_yaml_config_with_a_command_line_override(tiny, tmp_path):
     assert training_args.learning_rate == 5e-4  # the command line wins
     assert training_args.max_steps == 7 and training_args.gradient_checkpointing is True
     assert lisa_args.method == "lisa-adapter" and lisa_args.target_modules == ["q_proj", "v_proj"]
-    assert json.loads(lisa_args.sparsity_pattern) == {"v_proj": 0.0}
+    assert lisa_config_kwargs(lisa_args)["sparsity_pattern"] == {"v_proj": 0.0}  # a mapping in YAML, JSON on the CLI
+    *_, cli_args, _ = parse_args([str(path), "--sparsity_pattern", '{"v_proj": 0.0}'])
+    assert lisa_config_kwargs(cli_args)["sparsity_pattern"] == {"v_proj": 0.0}
     assert training_args.report_to == [] or training_args.report_to == ["none"] or training_args.report_to == "none"
     assert training_args.output_dir == str(tmp_path / "from_yaml")
     # values not given anywhere keep their documented defaults
     assert lisa_args.lisa_interval_steps == 20 and training_args.max_grad_norm == 1.0
+
+
+def test_a_file_value_is_typed_as_on_the_command_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("method: lisa\nlisa_always_trainable: none\nmax_steps: null\noutput_dir: out\n")
+    *_, lisa_args, training_args = parse_args([str(path), "--report_to", "none"])
+    assert lisa_args.lisa_always_trainable == ["none"]  # one value for a list option, as `--lisa_always_trainable none`
+    assert training_args.max_steps == -1  # null keeps the default
+    path.write_text("method: lora\ntarget_modules: q_proj\nrank_pattern: {q_proj: 4}\noutput_dir: out\n")
+    *_, lisa_args, _ = parse_args([str(path), "--report_to", "none"])
+    assert lisa_config_kwargs(lisa_args)["target_modules"] == ["q_proj"]
+    assert lisa_config_kwargs(lisa_args)["rank_pattern"] == {"q_proj": 4}
 
 
 def test_shipped_example_configs_parse(tmp_path):
@@ -140,9 +165,10 @@ def test_shipped_example_configs_parse(tmp_path):
         (["--push_to_hub", "true"], r"--push_to_hub needs --hub_model_id"),
         (["--layerwise_lr_decay", "1.5"], r"--layerwise_lr_decay=1.5 is invalid; allowed: a float in \(0, 1\]"),
         (["--method", "lisa", "--lisa_activated_layers", "0"],
-         r"--lisa_activated_layers=0 is invalid for --method lisa"),
-        (["--rank_pattern", "{up_proj: 4"], r"--rank_pattern=.* is not valid JSON"),
-        (["--method", "lisa", "--layer_interpolation", "true"], r"--layer_interpolation needs LISA adapters"),
+         r"--method lisa --lisa_activated_layers \(γ\)=0 is invalid; allowed: an integer >= 1"),
+        (["--method", "lora", "--rank_pattern", "{up_proj: 4"], r"--rank_pattern=.* is not valid JSON"),
+        (["--method", "lisa", "--layer_interpolation", "true"],
+         r"--method lisa does not use --layer_interpolation=True \(used by lisa-adapter\)"),
         (["--answer_pattern", "(unclosed"], r"--answer_pattern='\(unclosed' is not a valid regex"),
     ],
 )
@@ -161,7 +187,7 @@ def test_unknown_yaml_key_is_named_with_a_suggestion(tmp_path):
 
 def test_more_active_layers_than_blocks_is_refused_before_training(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"larger than the number of transformer blocks \(3\)"):
-        main(_common(tiny, tmp_path / "o", "--method", "lisa", "--lisa_activated_layers", "5"))
+        main(_common(tiny, tmp_path / "o", "lisa", "--lisa_activated_layers", "5"))
 
 
 def test_missing_train_file_exits_with_a_message(tiny, tmp_path, capsys):
@@ -216,13 +242,16 @@ def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_pa
         monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
         monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-        summary = main(_common(tiny, tmp_path / "lora", "--method", "lora", "--push_to_hub", "true",
+        summary = main(_common(tiny, tmp_path / "lora", "lora", "--push_to_hub", "true",
                                "--hub_model_id", "alice/tiny-lora", "--hub_token", "hf_write_token",
                                "--push_mode", "adapter", "--eval_generation_samples", "0"))
         files = server.files("alice/tiny-lora")
     finally:
         server.stop()
     assert "pushed_to" in summary
+    # the card is rendered once, for the target repo: the output directory holds the very card that was uploaded
+    assert files["README.md"] == (tmp_path / "lora" / "README.md").read_bytes()
+    assert b'hf_lisa.from_pretrained("alice/tiny-lora")' in files["README.md"]
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "loss.png"} <= set(files)
     assert not [f for f in files if f.endswith(".bin")]
     assert len(server.commits("alice/tiny-lora")) >= 1
@@ -248,18 +277,35 @@ def test_accelerate_launch_runs_the_module_with_a_yaml_config(tiny, tmp_path):
     assert (out / "adapter_model.safetensors").exists() and not (tmp_path / "ignored").exists()
 
 
-def test_demo_defaults_yield_to_user_flags():
-    from hf_lisa.demo import DEMO_DEFAULTS, demo_argv
+def test_demo_defaults_yield_to_user_flags(tmp_path):
+    from hf_lisa.demo import DEMO_DEFAULTS
 
-    argv = demo_argv(["--max_steps", "5", "--method=lisa-adapter"])
-    *_, lisa_args, training_args = parse_args(argv + ["--report_to", "none"])
+    argv = ["--max_steps", "5", "--method=lisa-adapter", "--report_to", "none"]
+    *_, lisa_args, training_args = parse_args(argv, defaults=DEMO_DEFAULTS)
     assert training_args.max_steps == 5 and lisa_args.method == "lisa-adapter"
     assert training_args.learning_rate == float(DEMO_DEFAULTS["learning_rate"])
     assert training_args.output_dir == "outputs"
+    # a config file sits above the demo's defaults and below the command line
+    config = tmp_path / "demo.yaml"
+    config.write_text("max_steps: 9\nlearning_rate: 1.0e-3\nmethod: lora\n")
+    *_, lisa_args, training_args = parse_args([str(config), "--max_steps", "3"], defaults=DEMO_DEFAULTS)
+    assert (training_args.max_steps, training_args.learning_rate, lisa_args.method) == (3, 1e-3, "lora")
+    assert training_args.warmup_steps == DEMO_DEFAULTS["warmup_steps"]
 
 
 def test_push_subcommand_dispatches_to_the_hub_cli(capsys):
     assert cli.main(["push", "--help"]) == 0
     assert "hf-lisa push" in capsys.readouterr().out
     assert cli.main(["bogus"]) == 2
-    assert "unknown command 'bogus'" in capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_help_of_the_command_and_of_train(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(command in out for command in cli.COMMANDS)
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: hf-lisa train [CONFIG.yaml" in out and "--lisa_activated_layers" in out and "--learning_rate" in out
+    assert cli.main(["config-reference", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -3,27 +3,21 @@
 * :class:`LisaCallback`: full-parameter LISA (E+H+γL, no PEFT).
 * :class:`LisaAdapterCallback`: layerwise sampling and sparse-mask re-selection for ``hf_lisa.LisaConfig`` adapters.
 
-The decisions themselves live in :mod:`hf_lisa.scheduler`; see ``docs/scheduling.md``.
+The decisions themselves live in :mod:`hf_lisa.scheduler`; see ``docs/scheduling.md``. Modules: :mod:`.lisa` (the two
+callbacks), :mod:`.base` (what they share), :mod:`.setup` (finding and preparing their Trainer, the run's engine
+check), :mod:`.state` (checkpoint and resume of the schedule), :mod:`.monitoring` (``TrainingMonitorCallback``),
+:mod:`.ordering` (callback order).
+:func:`check_lisa_training_setup` is a public alias of :func:`hf_lisa.distributed.check_layer_switching_supported`.
 """
 
 from __future__ import annotations
 
-if __name__ in ("trainer_callbacks",):  # the pre-0.2 top-level name: hand over to the one canonical module
-    import importlib as _importlib
-    import sys as _sys
-    import warnings as _warnings
+if __name__ == "trainer_callbacks":  # the 0.1 top-level name: warn and hand over to hf_lisa.trainer_callbacks
+    from hf_lisa._moved import hand_over
 
-    _warnings.warn(
-        "`import trainer_callbacks` is deprecated and will be removed in hf-lisa 0.3; use "
-        "`import hf_lisa.trainer_callbacks` (the same module).",
-        FutureWarning,
-        stacklevel=2,
-    )
-    _canonical = _importlib.import_module("hf_lisa.trainer_callbacks")
-    for _sub in ('lisa', 'monitoring', 'ordering'):
-        _sys.modules[f"trainer_callbacks.{_sub}"] = _importlib.import_module(f"hf_lisa.trainer_callbacks.{_sub}")
-    _sys.modules[__name__] = _canonical
+    hand_over(__name__)
 else:
-    from .lisa import LisaAdapterCallback, LisaCallback, check_lisa_training_setup
+    from .lisa import LisaAdapterCallback, LisaCallback
+    from .setup import check_lisa_training_setup
 
     __all__ = ["LisaAdapterCallback", "LisaCallback", "check_lisa_training_setup"]

@@ -6,8 +6,8 @@
 
 The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at the right events:
 
-* ``on_init_end``: prepare the Trainer being built (:func:`configure_trainer`): the LISA callbacks run before the
-  reporting integrations, and under DDP the wrap gets unused-parameter detection and the active-set all-reduce.
+* ``on_init_end``: prepare the Trainer being built (:func:`.setup.configure_trainer`): the LISA callbacks run before
+  the reporting integrations, and under DDP the wrap gets unused-parameter detection and the active-set all-reduce.
 * ``on_train_begin``: the Trainer has built the optimizer over every candidate parameter, prepared it and loaded any
   checkpoint; freeze everything but the first active set here (LMFlow #726), or restore the checkpointed schedule.
 * ``on_step_begin``: fires once per optimizer step, gradient accumulation included; switch when
@@ -17,359 +17,44 @@ The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at 
 * ``on_optimizer_step``: project δ back into its bound.
 * ``on_log``: active blocks, parameter counts, optimizer-state bytes and mask/penalty values join the Trainer's logs.
 
-Checkpoint and resume: both callbacks are ``ExportableState``. Their state (sampler and generator, active set, mask
-bookkeeping, importance accumulators) is stored as exact JSON in ``trainer_state.json``. Resuming from ``checkpoint-N``
-restores it *with or without* ``TrainingArguments(restore_callback_states_from_checkpoint=True)``: with the flag the
-Trainer rebuilds the callback from its stored state; without it, the callback reads the same stored state from the
-resumed ``TrainerState`` in ``on_train_begin``. Tensors larger than ``inline_state_max_bytes`` (the importance
-accumulators of a big model, when a checkpoint falls inside an importance window) go to
-``checkpoint-N/lisa_scheduler_tensors.safetensors`` instead.
+Checkpoint and resume (:mod:`.state`): both callbacks are ``ExportableState``. The schedule's small values go to
+``trainer_state.json``, its tensors (sampler generator, mask bookkeeping, importance accumulators) to
+``checkpoint-N/lisa_state.safetensors``; resuming from ``checkpoint-N`` follows the uninterrupted run exactly. How the
+callbacks find and prepare their Trainer, and the run's one engine check, are in :mod:`.setup`; what the two share
+(logging, the Trainer, the step's guard rails) in :mod:`.base`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import warnings
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
-from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState
-from transformers.training_args import ParallelMode
 
-from hf_lisa.json_state import decode_state, encode_state, has_spilled
-from hf_lisa.scheduler.optim_state import OPTIMIZER_STATE_POLICIES, exclude_from_weight_decay, optimizer_state_bytes
-from hf_lisa.scheduler.sampler import LAYER_SAMPLING_STRATEGIES
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
+from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
+from hf_lisa.tuner.config import check_lisa_settings
 
-SPILL_FILE = "lisa_scheduler_tensors.safetensors"
+from .base import _LisaCallbackBase
+from .setup import check_engine, check_lisa_training_setup, probe_batch, tuner_of, unscaled_factor
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LisaAdapterCallback", "LisaCallback", "check_lisa_training_setup"]
 
 
+#: the callbacks' argument names of the LisaConfig schedule settings, named beside them in error messages
+_SCHEDULE_ARGUMENTS = {
+    "lisa_activated_layers": "activated_layers",
+    "lisa_interval_steps": "interval_steps",
+    "lisa_sampling": "sampling",
+    "lisa_optimizer_state_policy": "optimizer_state_policy",
+}
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
-def _uses_deepspeed(args) -> bool:
-    return bool(getattr(args, "deepspeed", None)) or getattr(args, "deepspeed_plugin", None) is not None or _env_true(
-        "ACCELERATE_USE_DEEPSPEED"
-    )
-
-
-def _uses_fsdp(args) -> bool:
-    return bool(getattr(args, "fsdp", None)) or _env_true("ACCELERATE_USE_FSDP")
-
-
-def _ddp_find_unused_parameters(args, model) -> bool:
-    """What the Trainer passes to DDP as ``find_unused_parameters`` (mirrors ``Trainer._build_accelerator_args``)."""
-    if args.ddp_find_unused_parameters is not None:
-        return bool(args.ddp_find_unused_parameters)
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        checkpointing = getattr(model, "is_activation_checkpointing", False) or getattr(
-            args, "activation_checkpointing", False
-        )
-        return not (checkpointing or getattr(args, "gradient_checkpointing", False))
-    return True
-
-
-def check_lisa_training_setup(args, model=None, freezes_parameters: bool = True, form: str = "full-parameter") -> None:
-    """Refuse the training setups in which LISA's freezing is known to silently not work.
-
-    Args:
-        args: the Trainer's ``TrainingArguments``.
-        model: the (unwrapped) model; used to tell what the Trainer gives DDP.
-        freezes_parameters: whether the schedule freezes anything that the optimizer was built over (γ < N, or
-            parameters outside the always-trainable set). Setups that only change masks are always fine.
-        form: ``"full-parameter"`` or ``"adapter"``, for the messages.
-
-    Raises:
-        ValueError: for DeepSpeed ZeRO, FSDP1 without ``use_orig_params``, DDP without unused-parameter detection,
-            and DDP with ``static_graph``; each message names the reason and what to use instead.
-    """
-    if not freezes_parameters:
-        return
-    if _uses_deepspeed(args):
-        raise ValueError(
-            f"{form} LISA changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
-            "when its engine is created (DeepSpeed #5639): blocks frozen later would keep moving under Adam and blocks "
-            "unfrozen later would never be updated. Use FSDP2 instead (TrainingArguments(fsdp='full_shard', "
-            "fsdp_config={'version': 2}) or the shipped accelerate FSDP2 config), or DDP. With DeepSpeed, train the "
-            "adapter form with lisa_activated_layers=0."
-        )
-    if _uses_fsdp(args):
-        fsdp_config = args.fsdp_config if isinstance(getattr(args, "fsdp_config", None), dict) else {}
-        version = int(fsdp_config.get("version", 2))
-        use_orig = str(fsdp_config.get("use_orig_params", "true")).lower() == "true"
-        if version == 1 and not use_orig:
-            raise ValueError(
-                f"{form} LISA freezes parts of FSDP units, which FSDP1 only supports with use_orig_params=True. Set "
-                "fsdp_config={'use_orig_params': True}, or better use FSDP2 (fsdp_config={'version': 2}), whose "
-                "per-parameter sharding is the supported engine."
-            )
-        return
-    if args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size > 1:
-        if args.ddp_static_graph:
-            raise ValueError(
-                f"{form} LISA changes the set of parameters that receive gradients every K steps, which DDP's "
-                "static_graph=True forbids. Set TrainingArguments(ddp_static_graph=False)."
-            )
-        if not _ddp_find_unused_parameters(args, model):
-            raise ValueError(
-                f"{form} LISA freezes blocks after DDP has wrapped the model, so frozen parameters produce no gradient "
-                "and DDP fails with 'Expected to have finished reduction' (axolotl #1474) unless it looks for unused "
-                "parameters. Set TrainingArguments(ddp_find_unused_parameters=True); with gradient checkpointing also "
-                "pass gradient_checkpointing_kwargs={'use_reentrant': False}. Alternative: FSDP2."
-            )
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict) or hasattr(batch, "items"):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def _probe_batch(dataloader, batch_size: int, device) -> Any:
-    """The first ``batch_size`` training examples, collated, without touching the training dataloader or any RNG.
-
-    The same batch on every rank, so the loss measured around a mask re-selection is the same number everywhere.
-    """
-    base = getattr(dataloader, "base_dataloader", dataloader)
-    dataset, collate = base.dataset, base.collate_fn
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        examples = [example for _, example in zip(range(batch_size), dataset)]
-    else:
-        examples = [dataset[i % len(dataset)] for i in range(batch_size)] if len(dataset) else []
-    if not examples:
-        raise ValueError("The training dataset is empty; LISA's mask schedule needs training batches.")
-    return _to_device(collate(examples), device)
-
-
-_CONFIGURED = "_hf_lisa_configured"
-
-
-def _launched_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _calling_trainer():
-    """The ``transformers.Trainer`` whose event is running, found on the call stack (``None`` outside a Trainer).
-
-    Trainer events do not receive the Trainer itself, but a LISA callback must adjust it before ``train()`` wraps the
-    model (DDP's unused-parameter detection, the active-set all-reduce) and order the callbacks. The Trainer is the
-    ``self`` of a frame a few levels up: ``Trainer.__init__`` for ``on_init_end``, the training loop otherwise.
-    """
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-    return None
-
-
-def configure_trainer(trainer) -> None:
-    """Prepare a Trainer for the LISA callbacks it holds; idempotent.
-
-    * The LISA callbacks move ahead of the reporting integrations (TensorBoard, W&B, ...) and the printer, which
-      ``Trainer`` registers before user callbacks, so the values they add in ``on_log`` reach all of them.
-    * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
-      all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
-    """
-    from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
-
-    ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
-    run_before_reporting_integrations(trainer, ours)
-    if getattr(trainer, _CONFIGURED, False):
-        return
-    from hf_lisa.distributed import configure_trainer_for_lisa
-
-    configure_trainer_for_lisa(trainer)
-
-
-class _LisaCallbackBase(TrainerCallback, ExportableState):
-    """State export/restore, logging and guard rails shared by the two LISA callbacks."""
-
-    #: tensors above this size are written next to the checkpoint instead of into trainer_state.json
-    inline_state_max_bytes: int = 8 * 2**20
-
-    def __init__(self) -> None:
-        self.layer_scheduler: Optional[LayerwiseScheduler] = None
-        self.mask_scheduler: Optional[MaskScheduler] = None
-        self.resume_state: Optional[dict] = None  # set by the Trainer when it restores the callback
-        self._spill: dict[str, torch.Tensor] = {}
-        self._global_step = 0
-        self._pending_logs: dict[str, Any] = {}
-        self._warned_stray = False
-
-    # -- ExportableState -----------------------------------------------------------------------------------------------
-    def _ctor_args(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def state(self) -> dict:
-        return {"args": self._ctor_args(), "attributes": {"resume_state": self._export_state()}}
-
-    def _export_state(self) -> Optional[dict]:
-        if self.layer_scheduler is None and self.mask_scheduler is None:
-            return self.resume_state
-        self._spill = {}
-        raw = {
-            "global_step": self._global_step,
-            "layers": self.layer_scheduler.state_dict() if self.layer_scheduler is not None else None,
-            "masks": self.mask_scheduler.state_dict() if self.mask_scheduler is not None else None,
-        }
-        return encode_state(raw, spill=self._spill, inline_max_bytes=self.inline_state_max_bytes)
-
-    def on_save(self, args, state, control, **kwargs):
-        # state() ran in Trainer._save_checkpoint just before this event; write what it spilled next to the checkpoint
-        if self._spill and args.should_save:
-            from safetensors.torch import save_file
-
-            checkpoint_dir = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            os.makedirs(checkpoint_dir, exist_ok=True)
-            save_file(self._spill, os.path.join(checkpoint_dir, SPILL_FILE))
-        self._spill = {}
-
-    def _stored_state(self, args, state) -> Optional[dict]:
-        """The schedule saved with the checkpoint being resumed, decoded; ``None`` for a fresh run."""
-        if state.global_step == 0:
-            return None
-        stored = self.resume_state
-        if stored is None:
-            # without restore_callback_states_from_checkpoint the resumed TrainerState still carries our state
-            entry = (state.stateful_callbacks or {}).get(type(self).__name__)
-            if isinstance(entry, list):
-                raise ValueError(f"Only one {type(self).__name__} per Trainer is supported; found {len(entry)} states.")
-            stored = ((entry or {}).get("attributes") or {}).get("resume_state")
-        if stored is None:
-            warnings.warn(
-                f"Resuming at global step {state.global_step} from a checkpoint without {type(self).__name__} state: "
-                "a new LISA schedule starts here, so the run will not follow the original run's path."
-            )
-            return None
-        load_spilled = None
-        if has_spilled(stored):
-            load_spilled = self._spill_loader(args, state)
-        decoded = decode_state(stored, load_spilled)
-        if decoded["global_step"] != state.global_step:
-            raise RuntimeError(
-                f"The LISA schedule stored in the checkpoint was saved at step {decoded['global_step']} but training "
-                f"resumes at step {state.global_step}; resume from a checkpoint written by the Trainer."
-            )
-        return decoded
-
-    def _spill_loader(self, args, state):
-        from safetensors.torch import load_file
-
-        candidates = []
-        if isinstance(getattr(args, "resume_from_checkpoint", None), str):
-            candidates.append(args.resume_from_checkpoint)
-        candidates.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
-        for directory in candidates:
-            path = os.path.join(directory, SPILL_FILE)
-            if os.path.isfile(path):
-                tensors = load_file(path)
-                return tensors.__getitem__
-        raise FileNotFoundError(
-            f"The LISA schedule of this checkpoint keeps large tensors in {SPILL_FILE}, which was not found in "
-            f"{candidates}. Resume from the checkpoint folder under output_dir, or set "
-            "TrainingArguments(resume_from_checkpoint=<path>) to the folder you pass to trainer.train()."
-        )
-
-    # -- logging -------------------------------------------------------------------------------------------------------
-    def _log_values(self, optimizer) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        if self.layer_scheduler is not None:
-            counts = self.layer_scheduler.param_counts()
-            values["lisa/active_blocks"] = ",".join(str(b) for b in self.layer_scheduler.active)
-            values["lisa/always_trainable_params"] = counts["always_trainable"]
-            values["lisa/active_block_params"] = counts["active_blocks"]
-            values["lisa/trainable_params"] = counts["trainable"]
-        if optimizer is not None:
-            values["lisa/optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
-        if self.mask_scheduler is not None:
-            values["lisa/mask_updates"] = self.mask_scheduler.num_updates
-        values.update(self._pending_logs)
-        return values
-
-    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
-        if logs is None:
-            return
-        values = self._log_values(optimizer)
-        logs.update(values)
-        # Trainer.log appended a copy of `logs` to log_history just before this event: keep the two in step
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(values)
-        self._pending_logs = {}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._global_step = state.global_step
-
-    # -- the Trainer that runs us --------------------------------------------------------------------------------------
-    def on_init_end(self, args, state, control, **kwargs):
-        trainer = _calling_trainer()
-        if trainer is not None:
-            configure_trainer(trainer)
-
-    def _check_configured(self, args) -> None:
-        """Refuse multi-process training that the callback could not set up (added after the Trainer was built)."""
-        trainer = _calling_trainer()
-        if trainer is not None and not getattr(trainer, _CONFIGURED, False):
-            if _launched_world_size() > 1 or args.world_size > 1:
-                raise RuntimeError(
-                    f"{type(self).__name__} was added after the Trainer was built, so it could not prepare the "
-                    "Trainer's DDP wrap for LISA before train() (unused-parameter detection, the active-set "
-                    "all-reduce). Pass it as Trainer(callbacks=[...]), or call "
-                    "hf_lisa.distributed.configure_trainer_for_lisa(trainer) before trainer.train()."
-                )
-            configure_trainer(trainer)
-
-    # -- the step ------------------------------------------------------------------------------------------------------
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # gradients are complete (all micro-batches, all-reduced under DDP); the update has not happened yet
-        if self.layer_scheduler is not None:
-            stray = self.layer_scheduler.drop_stray_gradients()
-            if stray and not self._warned_stray:
-                self._warned_stray = True
-                logger.warning(
-                    "LISA: %d frozen parameter(s) received gradients at step %d: something re-enabled requires_grad "
-                    "behind the schedule (a library or user code). Their gradients were dropped, so they did not "
-                    "move; the compute was wasted.", len(stray), state.global_step,
-                )
-            if self.layer_scheduler.strategy == "importance":
-                self.layer_scheduler.observe_gradients()
-        if self.mask_scheduler is not None:
-            self.mask_scheduler.end_step()
-        self._apply_penalty(optimizer)
-
-    def _apply_penalty(self, optimizer) -> None:
-        """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA)."""
-
-    def on_train_end(self, args, state, control, **kwargs):
-        # leave the model as it was handed over (every candidate trainable), e.g. for a second trainer.train()
-        if self.layer_scheduler is not None:
-            self.layer_scheduler.restore_trainable()
-        if self.mask_scheduler is not None:
-            self.mask_scheduler.set_tracking(False)
-            self.mask_scheduler.reset_importance()
 
 
 class LisaCallback(_LisaCallbackBase):
@@ -414,23 +99,15 @@ class LisaCallback(_LisaCallbackBase):
         layers_attribute: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if not _is_int(activated_layers) or activated_layers < 1:
-            raise ValueError(
-                f"activated_layers (lisa_activated_layers, γ)={activated_layers!r} is invalid; allowed: an integer "
-                ">= 1 and at most the number of transformer blocks. To train every block, use plain fine-tuning."
-            )
-        if not _is_int(interval_steps) or interval_steps < 1:
-            raise ValueError(
-                f"interval_steps (lisa_interval_steps, K)={interval_steps!r} is invalid; allowed: an integer >= 1."
-            )
-        if sampling not in LAYER_SAMPLING_STRATEGIES:
-            raise ValueError(f"sampling (lisa_sampling)={sampling!r} is invalid; allowed: {LAYER_SAMPLING_STRATEGIES}.")
+        check_lisa_settings(
+            dict(lisa_activated_layers=activated_layers, lisa_interval_steps=interval_steps, lisa_sampling=sampling,
+                 lisa_optimizer_state_policy=optimizer_state_policy),
+            where="LisaCallback ",
+            arguments=_SCHEDULE_ARGUMENTS,
+            allow_every_block=False,
+        )
         if not _is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
-        if optimizer_state_policy not in OPTIMIZER_STATE_POLICIES:
-            raise ValueError(
-                f"optimizer_state_policy={optimizer_state_policy!r} is invalid; allowed: {OPTIMIZER_STATE_POLICIES}."
-            )
         if isinstance(always_trainable, str):
             always_trainable = (always_trainable,)
         if always_trainable is not None and not all(isinstance(s, str) for s in always_trainable):
@@ -464,7 +141,7 @@ class LisaCallback(_LisaCallbackBase):
             self.layer_scheduler.restore_trainable()
         scheduler = LayerwiseScheduler(
             model,
-            num_active=self._checked_gamma(model),
+            num_active=self.activated_layers,  # the sampler checks γ against the blocks it finds
             interval_steps=self.interval_steps,
             strategy=self.sampling,
             seed=self.seed,
@@ -472,9 +149,7 @@ class LisaCallback(_LisaCallbackBase):
             optimizer_state_policy=self.optimizer_state_policy,
             layers_attribute=self.layers_attribute,
         )
-        check_lisa_training_setup(
-            args, model, scheduler.num_active < scheduler.num_blocks or bool(scheduler.frozen_params)
-        )
+        check_engine(args, model, optimizer, scheduler, form="full-parameter LISA")
         self._check_configured(args)
         if scheduler.head_params:
             names = {id(p): n for n, p in model.named_parameters()}
@@ -490,17 +165,6 @@ class LisaCallback(_LisaCallbackBase):
         self.layer_scheduler = scheduler
         self.resume_state = None
         self._global_step = state.global_step
-
-    def _checked_gamma(self, model) -> int:
-        from hf_lisa.blocks import find_blocks
-
-        n = len(find_blocks(model, self.layers_attribute))
-        if self.activated_layers > n:
-            raise ValueError(
-                f"activated_layers (lisa_activated_layers, γ)={self.activated_layers} is larger than the number of "
-                f"transformer blocks ({n}); allowed: 1..{n}."
-            )
-        return self.activated_layers
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
@@ -568,30 +232,20 @@ class LisaAdapterCallback(_LisaCallbackBase):
         super().__init__()
         if not _is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
-        if activated_layers is not None and (not _is_int(activated_layers) or activated_layers < 0):
-            raise ValueError(
-                f"activated_layers (lisa_activated_layers, γ)={activated_layers!r} is invalid; allowed: an integer "
-                ">= 0 (0 trains every adapter) and at most the number of adapted blocks."
-            )
-        if interval_steps is not None and (not _is_int(interval_steps) or interval_steps < 1):
-            raise ValueError(
-                f"interval_steps (lisa_interval_steps, K)={interval_steps!r} is invalid; allowed: an integer >= 1."
-            )
-        if sampling is not None and sampling not in LAYER_SAMPLING_STRATEGIES:
-            raise ValueError(f"sampling (lisa_sampling)={sampling!r} is invalid; allowed: {LAYER_SAMPLING_STRATEGIES}.")
-        if optimizer_state_policy not in OPTIMIZER_STATE_POLICIES:
-            raise ValueError(
-                f"optimizer_state_policy={optimizer_state_policy!r} is invalid; allowed: {OPTIMIZER_STATE_POLICIES}."
-            )
-        if mask_update_interval is not None and (not _is_int(mask_update_interval) or mask_update_interval < 0):
-            raise ValueError(
-                f"mask_update_interval={mask_update_interval!r} is invalid; allowed: an integer >= 0 (0 never "
-                "re-selects)."
-            )
-        if importance_steps is not None and (not _is_int(importance_steps) or importance_steps < 1):
-            raise ValueError(f"importance_steps={importance_steps!r} is invalid; allowed: an integer >= 1.")
-        if new_block_bonus is not None and new_block_bonus < 0:
-            raise ValueError(f"new_block_bonus={new_block_bonus!r} is invalid; allowed: a float >= 0.")
+        overrides = {
+            "lisa_activated_layers": activated_layers,
+            "lisa_interval_steps": interval_steps,
+            "lisa_sampling": sampling,
+            "mask_update_interval": mask_update_interval,
+            "importance_steps": importance_steps,
+            "new_block_bonus": new_block_bonus,
+            "lisa_optimizer_state_policy": optimizer_state_policy,
+        }
+        check_lisa_settings(
+            {name: value for name, value in overrides.items() if value is not None},
+            where="LisaAdapterCallback ",
+            arguments=_SCHEDULE_ARGUMENTS,
+        )
         self.seed = seed
         self.activated_layers = activated_layers
         self.interval_steps = interval_steps
@@ -633,16 +287,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
             self.layer_scheduler.restore_trainable()
         gamma = config.lisa_activated_layers if self.activated_layers is None else self.activated_layers
         layer_scheduler = None
-        if gamma > 0:
-            from hf_lisa.blocks import find_blocks
-
-            path = config.lisa_layers_attribute
-            n = len(find_blocks(model, path))
-            if gamma > n:
-                raise ValueError(
-                    f"lisa_activated_layers (γ)={gamma} is larger than the number of transformer blocks ({n}); "
-                    f"allowed: 0 (every adapter trains) or 1..{n}."
-                )
+        if gamma > 0:  # γ <= N is checked where the blocks are known: the sampler
             layer_scheduler = LayerwiseScheduler.for_adapter(
                 model,
                 adapter_name=self.adapter_name,
@@ -663,20 +308,14 @@ class LisaAdapterCallback(_LisaCallbackBase):
         )
         if not mask_scheduler.layers:
             mask_scheduler = None
-        tuner = _tuner_of(model)
+        tuner = tuner_of(model)
         interpolation = tuner.interpolation_parameters() if tuner is not None else []
         if layer_scheduler is None and mask_scheduler is None and not interpolation:
             warnings.warn(
                 "LisaAdapterCallback has nothing to schedule: lisa_activated_layers=0, no adapter has sparsity > 0 "
                 "and no layer interpolation. The adapters train like LoRA; the callback can be removed."
             )
-        check_lisa_training_setup(
-            args,
-            model,
-            layer_scheduler is not None
-            and (layer_scheduler.num_active < layer_scheduler.num_blocks or bool(layer_scheduler.frozen_params)),
-            form="adapter",
-        )
+        check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching")
         self._check_configured(args)
         if interpolation:
             # the penalty is applied as a gradient once per optimizer step (see _apply_penalty), never via the loss
@@ -706,7 +345,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 layer_scheduler.freeze_all_but_active(optimizer, global_step=state.global_step)
         self._probe_batch = None
         if mask_scheduler is not None and self.measure_mask_change and mask_scheduler.update_interval:
-            self._probe_batch = _probe_batch(train_dataloader, args.per_device_train_batch_size, device)
+            self._probe_batch = probe_batch(train_dataloader, args.per_device_train_batch_size, device)
         self._model = model
         self._tuner = tuner if interpolation else None
         self.layer_scheduler = layer_scheduler
@@ -768,7 +407,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
 
     def _apply_penalty(self, optimizer) -> None:
         if self._tuner is not None:
-            penalty = self._tuner.apply_interpolation_penalty_grad(grad_scale=_unscaled_factor(optimizer))
+            penalty = self._tuner.apply_interpolation_penalty_grad(grad_scale=unscaled_factor(optimizer))
             if penalty is not None:
                 self._pending_logs["lisa/interp_penalty"] = penalty
 
@@ -781,28 +420,3 @@ class LisaAdapterCallback(_LisaCallbackBase):
         if self._tuner is not None:
             self._tuner.interpolation_penalty_in_loss = True
 
-
-def _tuner_of(model):
-    """The ``LisaModel`` inside a (possibly wrapped) ``PeftModel``, or ``None``."""
-    from hf_lisa.tuner.model import LisaModel
-
-    while type(model).__name__ in ("DistributedDataParallel", "DataParallel"):
-        model = model.module
-    base = getattr(model, "base_model", None)
-    return base if isinstance(base, LisaModel) else None
-
-
-def _unscaled_factor(optimizer) -> float:
-    """The loss scale still applied to the gradients at ``on_pre_optimizer_step`` (1.0 without fp16 loss scaling).
-
-    With fp16 loss scaling, gradients are unscaled by gradient clipping; without clipping they are still scaled when
-    the optimizer step begins, and a gradient added there must be scaled alike.
-    """
-    scaler = getattr(optimizer, "scaler", None)
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return 1.0
-    from torch.amp.grad_scaler import OptState
-
-    inner = getattr(optimizer, "optimizer", optimizer)
-    stage = scaler._per_optimizer_states[id(inner)]["stage"]
-    return 1.0 if stage is OptState.UNSCALED else float(scaler.get_scale())

@@ -38,6 +38,8 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
+from hf_lisa.scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TrainingMonitorCallback", "GradientPlateauWarning"]
@@ -90,6 +92,7 @@ class TrainingMonitorCallback(TrainerCallback):
         self.plateau_count = 0
         self.plateau_warnings = 0
         self.last_grad_norm: Optional[float] = None
+        self.index: Optional[BlockIndex] = None  # the model's block index, read at train begin
         self._groups: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
         self._block_params: list[list[torch.nn.Parameter]] = []
         self._snapshot: Optional[dict[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = None
@@ -108,23 +111,11 @@ class TrainingMonitorCallback(TrainerCallback):
 
     # -- setup ---------------------------------------------------------------------------------------------------------
     def _build_groups(self, model) -> None:
-        from hf_lisa.blocks import find_blocks
-
-        try:
-            blocks = find_blocks(model, self.layers_attribute)
-        except ValueError:
-            blocks = []
-        block_of: dict[int, int] = {}
-        self._block_params = []
-        for index, (_, block) in enumerate(blocks):
-            params = list(block.parameters())
-            self._block_params.append(params)
-            for p in params:
-                block_of[id(p)] = index
-        embedding_ids = {
-            id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
-        }
-        n = len(blocks)
+        """Coarsen the model's block index (the groups LLRD and the LISA schedule use) into the monitored groups."""
+        # a model without a recognisable block list is still monitored, as embeddings and head
+        self.index = BlockIndex.of(model, self.layers_attribute, require_blocks=False)
+        self._block_params = [list(block.parameters()) for _, block in self.index.blocks]
+        n = self.index.num_blocks
         k = min(self.num_block_groups, n) if n else 0
         bounds = [round(i * n / k) for i in range(k + 1)] if k else []
         names = [f"blocks_{bounds[i]:02d}-{bounds[i + 1] - 1:02d}" for i in range(k)]
@@ -136,14 +127,11 @@ class TrainingMonitorCallback(TrainerCallback):
             return names[-1]
 
         grouped: dict[str, list] = {"embeddings": [], **{name: [] for name in names}, "head": []}
-        seen: set[int] = set()
         for name, p in model.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if id(p) in block_of:
-                grouped[group_of_block(block_of[id(p)])].append((name, p))
-            elif id(p) in embedding_ids:
+            block = self.index.block_of(name)
+            if block is not None:
+                grouped[group_of_block(block)].append((name, p))
+            elif self.index.groups[name] == EMBEDDINGS_GROUP:
                 grouped["embeddings"].append((name, p))
             else:
                 grouped["head"].append((name, p))

@@ -8,7 +8,7 @@ from typing import Optional
 
 from .ddp import _normalise_comm_hook, ddp_kwargs_for_lisa
 from .fsdp2 import _fsdp2_fix_callback
-from .guards import UnsupportedEngineError, _is_ddp, _reentrant_checkpointing
+from .guards import _is_ddp
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -125,24 +125,8 @@ def _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_star
         if name != "none":
             warnings.warn(f"ddp_comm_hook={comm_hook!r} has no effect: the run has a single process, no DDP.")
         return None
-    if args.ddp_static_graph:
-        raise UnsupportedEngineError(
-            "LISA changes the set of parameters with gradients every K steps, which DDP's static_graph=True forbids; "
-            "set TrainingArguments(ddp_static_graph=False)."
-        )
-    gc_kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
-        args, "gradient_checkpointing_kwargs", None
-    )
-    checkpointing = bool(
-        getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
-    )
-    reentrant = checkpointing and isinstance(gc_kwargs, dict) and gc_kwargs.get("use_reentrant") is True
-    if reentrant or _reentrant_checkpointing(trainer.model):
-        raise UnsupportedEngineError(
-            "LISA under DDP needs find_unused_parameters=True, which reentrant activation checkpointing breaks "
-            "('Expected to mark a variable ready only once'). Use "
-            "gradient_checkpointing_kwargs={'use_reentrant': False}."
-        )
+    # the LISA callbacks check the wrap as training begins (check_layer_switching_supported): static_graph and
+    # reentrant activation checkpointing are refused there
     args.ddp_find_unused_parameters = True
     previous = accelerator.ddp_handler
     carried = {}

@@ -1,4 +1,5 @@
-"""DDP with a changing active set: the active-set all-reduce hook, its compressed variants (fp16/bf16, PowerSGD) and the DDP kwargs."""
+"""DDP with a changing active set: the active-set all-reduce hook, its compressed variants (fp16/bf16, PowerSGD) and
+the DDP kwargs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``) with a changing active set: per-block sharding, the unfreeze fix for torch < 2.14.1 and sharded checkpoints."""
+"""FSDP2 (``fully_shard``) with a changing active set: per-block sharding, the unfreeze fix for torch < 2.14.1 and
+sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..scheduler.state import LISA_STATE_FILE, load_schedule, save_schedule
 from .guards import (
     FSDP2_UNFREEZE_FIXED_IN,
     UnsupportedEngineError,
@@ -16,7 +18,8 @@ from .guards import (
     fsdp2_unfreeze_fix_needed,
 )
 
-FSDP2_SCHEDULE_FILE = "lisa_schedule.json"
+#: the LISA schedule inside an FSDP2 checkpoint folder (written by rank 0 next to the shards)
+FSDP2_SCHEDULE_FILE = LISA_STATE_FILE
 
 
 def _fsdp2_fix_callback():
@@ -105,14 +108,14 @@ def fully_shard_blocks(
     """
     from torch.distributed.fsdp import fully_shard
 
-    from ..blocks import find_blocks
+    from ..scheduler.active_set import BlockIndex
 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    for _, block in find_blocks(model, layers_attribute):
+    for _, block in BlockIndex.of(model, layers_attribute).blocks:  # the index the LISA scheduler reads too
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     install_fsdp2_unfreeze_fix(model)
@@ -125,21 +128,15 @@ def save_fsdp2_checkpoint(
     """Save a sharded (DCP) checkpoint of an FSDP2 model and its optimizer, plus the LISA schedule.
 
     Every rank must call it. The schedule (``scheduler.state_dict()``, sampler generator included) is written by
-    rank 0 as exact JSON next to the shards.
+    rank 0 next to the shards, as ``lisa_state.safetensors`` (:func:`hf_lisa.scheduler.state.save_schedule`).
     """
-    import json
-    import os
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from ..json_state import encode_state
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
     if scheduler is not None and (not _dist_ready() or torch.distributed.get_rank() == 0):
-        with open(os.path.join(checkpoint_dir, FSDP2_SCHEDULE_FILE), "w") as f:
-            json.dump(encode_state(scheduler.state_dict()), f)
+        save_schedule(checkpoint_dir, scheduler.state_dict())
     if _dist_ready():
         torch.distributed.barrier()
 
@@ -153,20 +150,11 @@ def load_fsdp2_checkpoint(
     parameters that require grad and FSDP2/DCP loads strictly, so loading with every candidate trainable would expect
     state for blocks that had none (their state was dropped on the switch).
     """
-    import json
-    import os
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ..json_state import decode_state
-
-    if scheduler is not None:
-        path = os.path.join(checkpoint_dir, FSDP2_SCHEDULE_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was saved without the LISA schedule.")
-        with open(path) as f:
-            scheduler.load_state_dict(decode_state(json.load(f)), optimizer)
+    if scheduler is not None:  # refuses a missing file or another format with a message naming the path
+        scheduler.load_state_dict(load_schedule(checkpoint_dir), optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=checkpoint_dir)

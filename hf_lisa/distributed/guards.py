@@ -1,7 +1,9 @@
-"""Which engine runs the model, and whether LISA's layer switching can work under it (one check, with one message per case)."""
+"""Which engine runs the model, and whether LISA's layer switching can work under it: the one check, with one message
+per case."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Optional
 
 import torch
@@ -105,27 +107,106 @@ def _reentrant_checkpointing(model: nn.Module) -> bool:
     return False
 
 
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def _fsdp_config(args: Any) -> dict:
+    config = getattr(args, "fsdp_config", None)
+    return config if isinstance(config, dict) else {}
+
+
+def _engine_from_args(args: Any) -> str:
+    """The engine a ``transformers.Trainer`` builds from ``args`` (``TrainingArguments``), before it wraps the model."""
+    from transformers.training_args import ParallelMode
+
+    if getattr(args, "deepspeed", None) or getattr(args, "deepspeed_plugin", None) is not None:
+        return "deepspeed"
+    if _env_true("ACCELERATE_USE_DEEPSPEED"):
+        return "deepspeed"
+    if getattr(args, "fsdp", None) or _env_true("ACCELERATE_USE_FSDP"):
+        return "fsdp1" if int(_fsdp_config(args).get("version", 2)) == 1 else "fsdp2"
+    if args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size > 1:
+        return "ddp"
+    return "single"
+
+
+def _fsdp1_use_orig_params(model: Optional[nn.Module], args: Any) -> bool:
+    units = _fsdp1_modules(model) if model is not None else []
+    if units:
+        return all(getattr(m, "_use_orig_params", False) for m in units)
+    return str(_fsdp_config(args).get("use_orig_params", "true")).lower() == "true"
+
+
+def _ddp_settings(model: Optional[nn.Module], args: Any) -> tuple[bool, bool, bool]:
+    """``(find_unused_parameters, static_graph, reentrant checkpointing)`` of the DDP that runs or will run ``model``.
+
+    From the ``DistributedDataParallel`` wrapper when there is one; otherwise what the Trainer will pass to DDP from
+    ``args`` (mirrors ``Trainer._build_accelerator_args``: ``ddp_find_unused_parameters=None`` means "not with
+    activation checkpointing" for a ``PreTrainedModel``).
+    """
+    reentrant = model is not None and _reentrant_checkpointing(model)
+    if model is not None and _is_ddp(model):
+        return bool(model.find_unused_parameters), bool(getattr(model, "static_graph", False)), reentrant
+    if args is None:
+        return True, False, reentrant
+    checkpointing = bool(
+        getattr(args, "activation_checkpointing", False)
+        or getattr(args, "gradient_checkpointing", False)
+        or getattr(model, "is_activation_checkpointing", False)
+    )
+    checkpointing_kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(
+        args, "gradient_checkpointing_kwargs", None
+    )
+    if checkpointing and isinstance(checkpointing_kwargs, dict) and checkpointing_kwargs.get("use_reentrant") is True:
+        reentrant = True
+    find_unused = args.ddp_find_unused_parameters
+    if find_unused is None:
+        from transformers import PreTrainedModel
+
+        find_unused = not (checkpointing and isinstance(model, PreTrainedModel))
+    return bool(find_unused), bool(args.ddp_static_graph), reentrant
+
+
 def check_layer_switching_supported(
     model: Optional[nn.Module] = None,
     optimizer: Any = None,
     form: str = "LISA layer switching",
     params: Optional[Iterable[torch.Tensor]] = None,
+    args: Any = None,
+    freezes: bool = True,
 ) -> str:
-    """Refuse engine setups in which changing ``requires_grad`` during training would train silently wrong.
+    """The one rule for which engine supports LISA's layer switching: refuse setups that would train silently wrong.
 
-    Call it with the *wrapped* model (DDP, FSDP, DeepSpeed engine) and the optimizer before the first switch. The
-    LISA schedulers call it from ``freeze_all_but_active`` with the optimizer and their candidate ``params``: a
-    DeepSpeed optimizer, ZeRO-3 parameters, or an optimizer that holds none of the candidates (the flat partitions
-    of ZeRO-1/2 or FSDP1 without ``use_orig_params``) are refused there too.
+    Changing ``requires_grad`` during training (LISA's switch every K steps) works only where the engine keeps
+    following the model's parameters. Every setup is judged here, with one message per case; the LISA callbacks call
+    it once per training run, as training begins (``on_train_begin``), with the wrapped model, the optimizer, the
+    Trainer's arguments and their candidate parameters. In a custom loop, call it with the *wrapped* model (DDP,
+    FSDP, DeepSpeed engine) and the optimizer before the first switch.
+
+    The engine comes from the objects when they tell (a ``DeepSpeedEngine``, a DeepSpeed optimizer or ZeRO-3
+    parameters, FSDP1 or FSDP2 units, a ``DistributedDataParallel`` wrapper), otherwise from ``args`` (what the Trainer
+    is about to build).
+
+    Args:
+        model: the model, wrapped by its engine when it is.
+        optimizer: the optimizer the schedule freezes under (any wrapper chain through ``.optimizer``).
+        form: what switches, for the messages (e.g. ``"full-parameter LISA"``).
+        params: the candidate parameters of the schedule; refused when the optimizer holds none of them (the flat
+            partitions of ZeRO-1/2 or FSDP1 without ``use_orig_params``).
+        args: the Trainer's ``TrainingArguments``, for a Trainer that has not wrapped the model yet.
+        freezes: whether the schedule freezes anything the optimizer was built over (γ < N, or parameters outside
+            the always-trainable set). Setups that only re-select masks change no ``requires_grad`` and are never
+            refused.
 
     Returns:
-        The detected engine (see :func:`detect_engine`).
+        The detected engine, one of :data:`ENGINES`.
 
     Raises:
-        UnsupportedEngineError: DeepSpeed ZeRO (any stage); FSDP1 without ``use_orig_params=True``; DDP without
-            ``find_unused_parameters=True``, with ``static_graph=True`` or with reentrant activation checkpointing;
-            FSDP2 with a low-precision ``MixedPrecisionPolicy`` on torch < 2.14.1 without
-            :func:`install_fsdp2_unfreeze_fix`.
+        UnsupportedEngineError: DeepSpeed ZeRO (any stage); an optimizer that holds none of ``params``; FSDP1 without
+            ``use_orig_params=True``; DDP without ``find_unused_parameters=True``, with ``static_graph=True`` or with
+            reentrant activation checkpointing; FSDP2 with a low-precision ``MixedPrecisionPolicy`` on torch < 2.14.1
+            without :func:`install_fsdp2_unfreeze_fix`.
 
     Example:
         >>> import torch
@@ -136,16 +217,20 @@ def check_layer_switching_supported(
     params = list(params) if params is not None else []
     if any(hasattr(p, "ds_id") for p in params):
         engine = "deepspeed"
+    if engine == "single" and args is not None:
+        engine = _engine_from_args(args)
+    if not freezes:
+        return engine
     if engine == "deepspeed":
         raise UnsupportedEngineError(
             f"{form} changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
             "when deepspeed.initialize builds its partitions (DeepSpeed #5639): blocks frozen later keep moving under "
-            "Adam and blocks unfrozen later never train. Use FSDP2 (torch.distributed.fsdp.fully_shard per block, "
-            "hf_lisa.distributed.fully_shard_blocks, or examples/accelerate_configs/fsdp2.yaml) or DDP for layer "
-            "switching. Under DeepSpeed, train a fixed trainable set: LoRA, or LISA adapters with "
-            "lisa_activated_layers=0 (sparse-mask re-selection works)."
+            "Adam and blocks unfrozen later never train. Use FSDP2 (fully_shard per block: "
+            "hf_lisa.distributed.fully_shard_blocks, TrainingArguments(fsdp='full_shard', fsdp_config={'version': 2}) "
+            "or examples/accelerate_configs/fsdp2.yaml) or DDP for layer switching. Under DeepSpeed, train a fixed "
+            "trainable set: LoRA, or LISA adapters with lisa_activated_layers=0 (sparse-mask re-selection works)."
         )
-    if params and optimizer is not None and engine != "deepspeed":
+    if params and optimizer is not None:
         held = {id(p) for o in _optimizer_chain(optimizer) for g in getattr(o, "param_groups", []) for p in g["params"]}
         if held and not any(id(p) in held for p in params):
             raise UnsupportedEngineError(
@@ -153,35 +238,36 @@ def check_layer_switching_supported(
                 "built over flattened copies, as DeepSpeed ZeRO and FSDP1 without use_orig_params do), so freezing "
                 "would not stop its updates. Build the optimizer over model.parameters(); for sharding use FSDP2."
             )
-    if engine == "fsdp1":
-        bad = [m for m in _fsdp1_modules(model) if not getattr(m, "_use_orig_params", False)]
-        if bad:
-            raise UnsupportedEngineError(
-                f"{form} freezes parameters inside FSDP units, which FSDP1 supports only with "
-                "use_orig_params=True (it got use_orig_params=False). Wrap with use_orig_params=True, or better use "
-                "FSDP2 (fully_shard per block), whose per-parameter sharding is the supported engine."
-            )
-    if engine == "ddp":
-        if not getattr(model, "find_unused_parameters", False):
-            raise UnsupportedEngineError(
-                f"{form} freezes blocks after DDP wrapped the model, so DDP must look for unused parameters, but "
-                "it was built with find_unused_parameters=False; it would fail with 'Expected to have finished "
-                "reduction' (axolotl #1474). Build DDP with find_unused_parameters=True "
-                "(TrainingArguments(ddp_find_unused_parameters=True), or "
-                "hf_lisa.distributed.configure_trainer_for_lisa)."
-            )
-        if getattr(model, "static_graph", False):
-            raise UnsupportedEngineError(
-                f"{form} changes the set of parameters with gradients every K steps, which DDP's "
-                "static_graph=True forbids. Build DDP with static_graph=False."
-            )
-    if engine in ("ddp", "single") and model is not None and _dist_world_size() > 1 and _reentrant_checkpointing(model):
+    if engine == "fsdp1" and not _fsdp1_use_orig_params(model, args):
         raise UnsupportedEngineError(
-            f"{form} under DDP needs find_unused_parameters=True, which reentrant activation checkpointing "
-            "breaks ('Expected to mark a variable ready only once'). Use non-reentrant checkpointing: "
-            "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': False}) (transformers' default)."
+            f"{form} freezes parameters inside FSDP units, which FSDP1 supports only with use_orig_params=True (it "
+            "got use_orig_params=False). Wrap with use_orig_params=True (TrainingArguments(fsdp_config="
+            "{'use_orig_params': True})), or better use FSDP2 (fully_shard per block, fsdp_config={'version': 2}), "
+            "whose per-parameter sharding is the supported engine."
         )
-    if engine == "fsdp2" and fsdp2_unfreeze_fix_needed(model) and not getattr(model, "_lisa_unfreeze_fix", False):
+    if engine == "ddp" or (engine == "single" and _dist_world_size() > 1):
+        find_unused, static_graph, reentrant = _ddp_settings(model, args)
+        if engine == "ddp" and not find_unused:
+            raise UnsupportedEngineError(
+                f"{form} freezes blocks after DDP wrapped the model, so DDP must look for unused parameters, but it "
+                "runs with find_unused_parameters=False and would fail with 'Expected to have finished reduction' "
+                "(axolotl #1474). Set TrainingArguments(ddp_find_unused_parameters=True) (the Trainer turns it off "
+                "with gradient checkpointing) or call hf_lisa.distributed.configure_trainer_for_lisa(trainer); in a "
+                "custom loop, build DDP with find_unused_parameters=True."
+            )
+        if engine == "ddp" and static_graph:
+            raise UnsupportedEngineError(
+                f"{form} changes the set of parameters with gradients every K steps, which DDP's static_graph=True "
+                "forbids. Set TrainingArguments(ddp_static_graph=False), or build DDP with static_graph=False."
+            )
+        if reentrant:
+            raise UnsupportedEngineError(
+                f"{form} under DDP needs find_unused_parameters=True, which reentrant activation checkpointing "
+                "breaks ('Expected to mark a variable ready only once'). Use non-reentrant checkpointing: "
+                "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': False}) (transformers' default)."
+            )
+    unfixed_fsdp2 = engine == "fsdp2" and model is not None and not getattr(model, "_lisa_unfreeze_fix", False)
+    if unfixed_fsdp2 and fsdp2_unfreeze_fix_needed(model):
         raise UnsupportedEngineError(
             f"{form} with FSDP2 and a low-precision MixedPrecisionPolicy fails on torch {torch.__version__} when "
             f"a block frozen at the first forward is unfrozen later (pytorch#186998, fixed in "

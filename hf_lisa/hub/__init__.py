@@ -8,11 +8,14 @@ What today's stack gets wrong, and this module does not:
   the card here carries ``base_model``, ``base_model_relation``, ``library_name``, tags, license and ``model-index``.
 - ``Trainer.push_to_hub`` uploads a pickled ``training_args.bin``; nothing pickled is ever uploaded here (allowlist
   plus a final assertion), and loading refuses pickle unless asked.
-- Transient HTTP errors (5xx, 429, dropped connections) are retried with exponential backoff, without ever committing
-  twice: the commit names its parent, and a retry first checks whether the previous attempt already landed.
+- Uploads go through ``huggingface_hub``'s own machinery (``http_backoff`` retries transient errors); the one thing it
+  does not retry, the commit request, is retried here without ever committing twice: the commit names its parent, and
+  a retry first checks whether the previous attempt already landed. Offline mode, 401/403/404 and invalid metadata
+  fail at once.
 
-Modules: :mod:`.staging` (what is uploaded), :mod:`.card` (the model card), :mod:`.push` (the commit),
-:mod:`.load` (``from_pretrained``, ``explain_missing_import``), :mod:`.cli` (``hf-lisa push``).
+Modules: :mod:`.summary` (the typed training summary), :mod:`.staging` (what is uploaded), :mod:`.card` (the model
+card), :mod:`.push` (the commit), :mod:`.load` (``from_pretrained``, ``explain_missing_import``), :mod:`.cli`
+(``hf-lisa push``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from .cli import hub_cli
 from .load import explain_missing_import, from_pretrained
 from .push import push_to_hub
 from .staging import PICKLE_SUFFIXES, HubPushError
+from .summary import TRAINING_SUMMARY_NAME, TrainingSummary
 
 __all__ = [
     "MISSING_IMPORT_HINT",
     "PICKLE_SUFFIXES",
+    "TRAINING_SUMMARY_NAME",
     "HubPushError",
+    "TrainingSummary",
     "explain_missing_import",
     "from_pretrained",
     "hub_cli",

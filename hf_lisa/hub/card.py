@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from .load import (
-    TASK_TYPE_TO_AUTO_CLASS,
-)
+from .load import TASK_TYPE_TO_AUTO_CLASS
 from .staging import PUSH_MODES, _resolve_hub_base_model
+from .summary import TrainingSummary
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +56,9 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _method_of(mode: str, adapter_config: Optional[dict], summary: dict) -> str:
-    if summary.get("method"):
-        return str(summary["method"])
+def _method_of(mode: str, adapter_config: Optional[dict], summary: TrainingSummary) -> str:
+    if summary.method:
+        return str(summary.method)
     if adapter_config is not None:
         peft_type = str(adapter_config.get("peft_type", "")).upper()
         if peft_type == "LISA":
@@ -114,9 +113,9 @@ def _module_groups(config: dict) -> list[dict]:
     return groups
 
 
-def _training_rows(method: str, adapter_config: Optional[dict], summary: dict) -> list[tuple[str, str]]:
+def _training_rows(method: str, adapter_config: Optional[dict], summary: TrainingSummary) -> list[tuple[str, str]]:
     rows = [("Method", f"{METHOD_TITLES.get(method, method)} (`{method}`)")]
-    lisa = dict(summary.get("lisa") or {})
+    lisa = dict(summary.lisa)
     config = adapter_config or {}
     gamma = lisa.pop("activated_layers", config.get("lisa_activated_layers"))
     interval = lisa.pop("interval_steps", config.get("lisa_interval_steps"))
@@ -188,7 +187,7 @@ def render_model_card(
     base_model: Optional[str] = None,
     adapter_config: Optional[dict] = None,
     model_config: Optional[dict] = None,
-    summary: Optional[dict] = None,
+    summary: Optional[Union[TrainingSummary, dict]] = None,
     card_data: Optional[dict] = None,
     loss_plot: Optional[str] = None,
     license: Optional[str] = None,
@@ -205,13 +204,13 @@ def render_model_card(
     Args:
         repo_id: the repo the card is for (used in the loading snippet and as the model-index name).
         mode: ``"adapter"`` or ``"merged"``.
-        base_model: Hub id of the base model. When unset, taken from ``summary["base_model"]`` or the adapter's
+        base_model: Hub id of the base model. When unset, taken from ``summary.base_model`` or the adapter's
             ``base_model_name_or_path``; a local path is left out of the metadata with a warning, since the Hub
             rejects it.
         adapter_config: the adapter's ``adapter_config.json`` as a dict (for merged adapters too).
         model_config: the model's ``config.json`` as a dict.
-        summary: the training summary (``training_summary.json``: method, lisa, hyperparameters, metrics,
-            datasets, dataset_name, loss_plot, license).
+        summary: the training summary: a [`TrainingSummary`], or its ``training_summary.json`` dict (method, lisa,
+            hyperparameters, metrics, datasets, dataset_name, loss_plot, license).
         card_data: metadata overrides, e.g. ``{"language": "en", "license": "mit"}``.
         loss_plot: file name of the loss plot inside the repo.
         license: license identifier, e.g. inherited from the base model.
@@ -235,13 +234,14 @@ def render_model_card(
 
     if mode not in PUSH_MODES:
         raise ValueError(f"mode={mode!r} is invalid; allowed: {PUSH_MODES}.")
-    summary = dict(summary or {})
+    if not isinstance(summary, TrainingSummary):
+        summary = TrainingSummary.from_dict(summary)
     card_data = dict(card_data or {})
     recorded_base = (adapter_config or {}).get("base_model_name_or_path") or (model_config or {}).get("_name_or_path")
-    hub_base = _resolve_hub_base_model(base_model, card_data.pop("base_model", None), summary.get("base_model"),
+    hub_base = _resolve_hub_base_model(base_model, card_data.pop("base_model", None), summary.base_model,
                                        recorded_base)
     if hub_base is None:
-        local = base_model or summary.get("base_model") or recorded_base
+        local = base_model or summary.base_model or recorded_base
         logger.warning(
             "No Hub id is known for the base model (%s): the card leaves base_model out, so the model will not be "
             "listed under its base model. Pass base_model='namespace/name' or set it in training_summary.json.",
@@ -249,21 +249,20 @@ def render_model_card(
         )
     method = _method_of(mode, adapter_config, summary)
     task_type = str((adapter_config or {}).get("task_type") or "CAUSAL_LM").upper()
-    datasets = summary.get("datasets") or ([summary["dataset_name"]] if summary.get("dataset_name") else [])
-    datasets = [datasets] if isinstance(datasets, str) else list(datasets)
-    metrics = {k: v for k, v in (summary.get("metrics") or {}).items() if v is not None}
+    datasets = list(summary.datasets) or ([summary.dataset_name] if summary.dataset_name else [])
+    metrics = {k: v for k, v in summary.metrics.items() if v is not None}
     model_name = (repo_id or "model").split("/")[-1]
 
     tags = ["lisa"] + (["peft"] if mode == "adapter" or method in _ADAPTER_METHODS else []) + [method]
     tags += [t for t in card_data.pop("tags", []) or [] if t not in tags]
     metadata = {
         "library_name": "peft" if mode == "adapter" else "transformers",
-        "license": card_data.pop("license", None) or summary.get("license") or license,
+        "license": card_data.pop("license", None) or summary.license or license,
         "tags": list(dict.fromkeys(tags)),
         "datasets": datasets or None,
         "pipeline_tag": TASK_TYPE_TO_PIPELINE_TAG.get(task_type),
         "eval_results": _eval_results(metrics, TASK_TYPE_TO_PIPELINE_TAG.get(task_type, "text-generation"),
-                                      datasets, summary.get("dataset_name"), model_name),
+                                      datasets, summary.dataset_name, model_name),
     }
     if metadata["eval_results"]:
         metadata["model_name"] = model_name  # model-index needs a name; elsewhere it is noise in the metadata
@@ -273,7 +272,7 @@ def render_model_card(
     metadata.update(card_data)
     data = ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
 
-    hyperparameters = [(_cell(k), _cell(_fmt(v))) for k, v in (summary.get("hyperparameters") or {}).items()]
+    hyperparameters = [(_cell(k), _cell(_fmt(v))) for k, v in summary.hyperparameters.items()]
     config_for_rows = adapter_config if (adapter_config or {}).get("r") else None
     if model_config is not None and model_config.get("architectures"):
         auto_class = _auto_class_name_for(model_config)

@@ -16,12 +16,14 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI: hf-lisa push OUTPUT_DIR REPO_ID --mode adapter|merged
 # ----------------------------------------------------------------------------------------------------------------------
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hf-lisa push",
-        description="Push a training output directory to the Hugging Face Hub as a LISA adapter or merged model, in "
-        "one commit, with a model card. No pickle file is uploaded.",
-    )
+PUSH_DESCRIPTION = (
+    "Push a training output directory to the Hugging Face Hub as a LISA adapter or merged model, in one commit, with a "
+    "model card. No pickle file is uploaded."
+)
+
+
+def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the arguments of ``hf-lisa push`` to ``parser`` (the ``push`` subcommand of ``hf-lisa``, or its own)."""
     parser.add_argument("output_dir", help="Directory the training saved its final model to.")
     parser.add_argument("repo_id", help="Target repo, 'namespace/name'; created if missing.")
     parser.add_argument("--mode", choices=PUSH_MODES, default=None,
@@ -43,6 +45,25 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def push_command(args: argparse.Namespace) -> int:
+    """Run ``hf-lisa push`` with parsed arguments; returns the exit code: 0 on success (the commit URL is printed),
+    1 when the push failed (the reason is printed, never the token)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    redact = _Redactor(args.token)
+    try:
+        info = push_to_hub(
+            args.output_dir, args.repo_id, mode=args.mode, private=args.private, revision=args.revision,
+            commit_message=args.commit_message, token=args.token, base_model=args.base_model,
+            max_shard_size=args.max_shard_size, max_retries=args.max_retries,
+        )
+    except (HubPushError, ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
+        return 1
+    print(str(info))
+    return 0
+
+
 def hub_cli(argv: Optional[Sequence[str]] = None) -> int:
     """``hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged] [--private] [--revision R] [--commit_message M]
     [--token T]``.
@@ -61,21 +82,9 @@ def hub_cli(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "push":
         argv = argv[1:]
+    parser = add_push_arguments(argparse.ArgumentParser(prog="hf-lisa push", description=PUSH_DESCRIPTION))
     try:
-        args = _build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on errors
         return int(exc.code or 0)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    redact = _Redactor(args.token)
-    try:
-        info = push_to_hub(
-            args.output_dir, args.repo_id, mode=args.mode, private=args.private, revision=args.revision,
-            commit_message=args.commit_message, token=args.token, base_model=args.base_model,
-            max_shard_size=args.max_shard_size, max_retries=args.max_retries,
-        )
-    except (HubPushError, ValueError, FileNotFoundError, TypeError) as exc:
-        print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
-        return 1
-    print(str(info))
-    return 0
+    return push_command(args)

@@ -1,12 +1,21 @@
-"""``push_to_hub``: one commit with the weights and the card, through ``huggingface_hub``."""
+"""``push_to_hub``: one commit with the weights and the card, on ``huggingface_hub``'s own upload and retry machinery.
+
+``HfApi.preupload_lfs_files`` uploads the files, retrying transient HTTP errors and dropped connections with
+``http_backoff``; ``HfApi.create_commit`` sends the one atomic commit. What ``huggingface_hub`` deliberately leaves
+out is a retry of the commit request itself, since an answer lost after the server applied the commit would make a
+retry commit twice. This module adds exactly that: the commit names its parent, and a retry first checks whether the
+previous attempt landed. Every other failure (offline mode, HTTP 401/403/404, invalid metadata) stops the push at once
+with a [`HubPushError`] naming the step and the HTTP status.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import tempfile
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Iterator, Optional, Union
 
 from .card import _method_of, render_model_card
 from .staging import (
@@ -19,20 +28,30 @@ from .staging import (
     _stage,
     _validate_staged,
 )
+from .summary import TrainingSummary
 
 logger = logging.getLogger(__name__)
 
 
-TRANSIENT_STATUS_CODES = (408, 429, 500, 502, 503, 504)
+COMMIT_STAGE = "creating the commit"
 
 
-_TRANSPORT_ERROR_NAMES = {"TransportError", "TimeoutException", "NetworkError", "RemoteProtocolError"}
+# HTTP statuses that end a push at once, with what they mean for it
+STATUS_EXPLANATIONS = {
+    401: ("authentication failed", "the token is invalid, expired or missing. Pass a valid write token (token=..., "
+                                   "HF_TOKEN, or `hf auth login`)."),
+    403: ("the Hub refused the write", "the token has no write access to this namespace, or the repository is "
+                                       "read-only."),
+    404: ("not found", "the repository or branch does not exist or is not visible with this token."),
+    412: ("the branch moved", "another commit landed first; nothing was committed by this push. Push again."),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Upload: one commit, retried on transient errors, never twice
+# Errors: huggingface_hub's classification, our messages
 # ----------------------------------------------------------------------------------------------------------------------
-def _chain(exc: BaseException):
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and its causes: huggingface_hub wraps upload errors (e.g. in ``RuntimeError``)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -48,37 +67,22 @@ def _status_of(exc: BaseException) -> Optional[int]:
     return None
 
 
-def _is_transient(exc: BaseException) -> bool:
-    for e in _chain(exc):
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if isinstance(status, int):
-            return status in TRANSIENT_STATUS_CODES
-        if isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        if _TRANSPORT_ERROR_NAMES & {cls.__name__ for cls in type(e).__mro__}:
-            return True
-    return False
+def _transient_cause(exc: BaseException) -> Optional[str]:
+    """``"HTTP 503"`` or ``"ConnectError: ..."`` when ``huggingface_hub``'s ``http_backoff`` retries ``exc`` by default
+    (its own policy, read from its signature); ``None`` for everything else, e.g. offline mode or HTTP 401."""
+    from huggingface_hub.utils import http_backoff
 
-
-def _transport_cause(exc: BaseException) -> str:
-    """The connection-level error under huggingface_hub's wrappers, e.g. "ConnectError: connection refused"."""
-    for e in _chain(exc):
-        if isinstance(e, (ConnectionError, TimeoutError)) or _TRANSPORT_ERROR_NAMES & {
-            c.__name__ for c in type(e).__mro__
-        }:
-            return f"{type(e).__name__}: {e}"
-    return type(exc).__name__
-
-
-def _server_message(exc: BaseException) -> str:
-    for e in _chain(exc):
-        message = getattr(e, "server_message", None)
-        if message:
-            return str(message).strip()
-    return ""
+    policy = inspect.signature(http_backoff).parameters
+    status = _status_of(exc)
+    if status is not None:
+        return f"HTTP {status}" if status in policy["retry_on_status_codes"].default else None
+    retried = policy["retry_on_exceptions"].default
+    return next((f"{type(e).__name__}: {e}" for e in _chain(exc) if isinstance(e, retried)), None)
 
 
 class _Redactor:
+    """Replaces the token with ``***`` in any text that could reach the user."""
+
     def __init__(self, token: Optional[str]) -> None:
         self.token = token if isinstance(token, str) and token else None
 
@@ -86,95 +90,88 @@ class _Redactor:
         return text.replace(self.token, "***") if self.token else text
 
 
-def _push_error(exc: BaseException, stage: str, repo_id: str, endpoint: str, attempts: int, redact) -> HubPushError:
+def _push_error(exc: BaseException, stage: str, where: str, redact: _Redactor,
+                attempts: Optional[int] = 1) -> HubPushError:
+    """A [`HubPushError`] for ``exc``; ``attempts=None`` for a step that huggingface_hub itself retried."""
     status = _status_of(exc)
-    said = _server_message(exc)
+    said = next((str(e.server_message).strip() for e in _chain(exc) if getattr(e, "server_message", None)), "")
     said = f" The server said: {said}" if said else ""
-    where = f"{repo_id} on {endpoint}"
+    transient = _transient_cause(exc)
     if isinstance(exc, ValueError) and "Invalid metadata in README.md" in str(exc):
         message = f"the Hub rejected the model card metadata while {stage} for {where}: {exc}"
-    elif status == 401:
-        message = (f"authentication failed (HTTP 401) while {stage} for {where}: the token is invalid, expired or "
-                   f"missing. Pass a valid write token (token=..., HF_TOKEN, or `hf auth login`).{said}")
-    elif status == 403:
-        message = (f"the Hub refused the write (HTTP 403) while {stage} for {where}: the token has no write access "
-                   f"to this namespace, or the repository is read-only.{said}")
-    elif status == 404:
-        message = (f"not found (HTTP 404) while {stage} for {where}: the repository or branch does not exist or is "
-                   f"not visible with this token.{said}")
-    elif status == 412:
-        message = (f"the branch moved while {stage} for {where} (HTTP 412, another commit landed first); nothing was "
-                   f"committed by this push. Push again.{said}")
-    elif _is_transient(exc):
-        cause = f"HTTP {status}" if status else _transport_cause(exc)
-        message = (f"{stage} for {where} failed after {attempts} attempt(s) with transient errors ({cause}). A push "
-                   "is a single commit: unless the last request reached the server, the repository was left as it "
-                   "was. Push again when the Hub is reachable.")
+    elif status in STATUS_EXPLANATIONS:
+        what, why = STATUS_EXPLANATIONS[status]
+        message = f"{what} (HTTP {status}) while {stage} for {where}: {why}{said}"
+    elif transient:
+        tries = f"after {attempts} attempt(s)" if attempts else "after huggingface_hub's own retries"
+        message = (f"{stage} for {where} failed {tries} with transient errors ({transient}). A push is a single "
+                   "commit: unless the last request reached the server, the repository was left as it was. Push "
+                   "again when the Hub is reachable.")
     else:
         message = f"{stage} for {where} failed: {type(exc).__name__}: {exc}"
     return HubPushError(redact(message), stage=stage, status=status)
 
 
-def _with_retries(fn: Callable[[], Any], stage: str, ctx: dict, before_retry: Optional[Callable[[], Any]] = None):
-    attempt = 0
-    while True:
-        try:
-            if attempt and before_retry is not None:
-                landed = before_retry()
-                if landed is not None:
-                    return landed
-            return fn()
-        except HubPushError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - classified below, re-raised as HubPushError
-            if not _is_transient(exc) or attempt >= ctx["max_retries"]:
-                raise _push_error(exc, stage, ctx["repo_id"], ctx["endpoint"], attempt + 1, ctx["redact"]) from exc
-            wait = min(ctx["retry_base_wait"] * 2**attempt, 30.0)
-            attempt += 1
-            logger.warning(
-                "%s for %s hit a transient error (%s); retrying in %.1fs (attempt %d of %d).", stage,
-                ctx["repo_id"], ctx["redact"](f"HTTP {_status_of(exc)}" if _status_of(exc) else type(exc).__name__),
-                wait, attempt + 1, ctx["max_retries"] + 1,
-            )
-            time.sleep(wait)
+# ----------------------------------------------------------------------------------------------------------------------
+# Upload: huggingface_hub uploads; the commit is retried here, never twice
+# ----------------------------------------------------------------------------------------------------------------------
+def _landed_commit(api, repo_id: str, branch: str, parent: str, message: str):
+    """The commit of a previous attempt when it reached the branch (its answer was lost), else ``None``."""
+    from huggingface_hub import CommitInfo
+
+    head = api.repo_info(repo_id, revision=branch).sha
+    if head == parent:
+        return None
+    commits = api.list_repo_commits(repo_id, revision=branch)
+    if len(commits) >= 2 and commits[0].title == message and commits[1].commit_id == parent:
+        logger.warning("The previous attempt's commit %s reached %s before the connection dropped; not committing "
+                       "twice.", head, repo_id)
+        return CommitInfo(commit_url=f"{api.endpoint}/{repo_id}/commit/{head}", commit_message=message,
+                          commit_description="", oid=head, _endpoint=api.endpoint)
+    raise HubPushError(f"branch {branch!r} of {repo_id} moved to {head} during the push (another writer?); this push "
+                       "committed nothing. Push again.", stage=COMMIT_STAGE)
 
 
 def _upload(api, repo_id: str, folder: str, files: list[str], message: str, private: Optional[bool],
-            revision: Optional[str], ctx: dict):
-    from huggingface_hub import CommitInfo, CommitOperationAdd
+            revision: Optional[str], max_retries: int, retry_base_wait: float, redact: _Redactor):
+    from huggingface_hub import CommitOperationAdd
 
-    _with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"),
-                  "creating the repository", ctx)
+    where = f"{repo_id} on {api.endpoint}"
+
+    def step(stage: str, call, attempts: Optional[int] = 1):
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - re-raised as HubPushError naming the step and the status
+            raise _push_error(exc, stage, where, redact, attempts) from exc
+
+    step("creating the repository", lambda: api.create_repo(repo_id, private=private, exist_ok=True))
     branch = revision or "main"
     if branch != "main":
-        _with_retries(lambda: api.create_branch(repo_id, branch=branch, exist_ok=True),
-                      f"creating branch {branch!r}", ctx)
-    parent = _with_retries(lambda: api.repo_info(repo_id, revision=branch).sha, f"reading the head of {branch!r}", ctx)
-
-    def commit():
-        # fresh operations per attempt: create_commit mutates them
-        operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=os.path.join(folder, p)) for p in files]
-        return api.create_commit(repo_id, operations=operations, commit_message=message, revision=branch,
-                                 parent_commit=parent)
-
-    def landed_already():
-        # a dropped connection can hide a commit that the server applied: never commit twice
-        head = api.repo_info(repo_id, revision=branch).sha
-        if head == parent:
-            return None
-        commits = api.list_repo_commits(repo_id, revision=branch)
-        if len(commits) >= 2 and commits[0].title == message and commits[1].commit_id == parent:
-            logger.warning("The previous attempt's commit %s reached %s before the connection dropped; not "
-                           "committing twice.", head, repo_id)
-            return CommitInfo(commit_url=f"{api.endpoint}/{repo_id}/commit/{head}", commit_message=message,
-                              commit_description="", oid=head, _endpoint=api.endpoint)
-        raise HubPushError(
-            f"branch {branch!r} of {repo_id} moved to {head} during the push (another writer?); this push committed "
-            "nothing. Push again.", stage="creating the commit",
-        )
-
+        step(f"creating branch {branch!r}", lambda: api.create_branch(repo_id, branch=branch, exist_ok=True))
+    parent = step(f"reading the head of {branch!r}", lambda: api.repo_info(repo_id, revision=branch).sha)
+    operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=os.path.join(folder, p)) for p in files]
     logger.info("Pushing %d files to %s (branch %s) in one commit: %s", len(files), repo_id, branch, ", ".join(files))
-    return _with_retries(commit, "uploading the files and creating the commit", ctx, before_retry=landed_already)
+    # huggingface_hub's http_backoff retries these uploads; create_commit below does not upload them again
+    step("uploading the files", lambda: api.preupload_lfs_files(repo_id, additions=operations, revision=branch,
+                                                                 free_memory=False), attempts=None)
+    for attempt in range(max_retries + 1):
+        try:
+            if attempt:  # a dropped connection can hide a commit that the server applied: look before committing
+                landed = _landed_commit(api, repo_id, branch, parent, message)
+                if landed is not None:
+                    return landed
+            return api.create_commit(repo_id, operations=operations, commit_message=message, revision=branch,
+                                     parent_commit=parent)
+        except HubPushError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried when huggingface_hub would retry it, else re-raised
+            cause = _transient_cause(exc)
+            if cause is None or attempt == max_retries:
+                raise _push_error(exc, COMMIT_STAGE, where, redact, attempt + 1) from exc
+            wait = min(retry_base_wait * 2**attempt, 30.0)
+            logger.warning("%s for %s hit a transient error (%s); retrying in %.1fs (attempt %d of %d).",
+                           COMMIT_STAGE, repo_id, redact(cause), wait, attempt + 2, max_retries + 1)
+            time.sleep(wait)
 
 
 def _inherit_license(api, hub_base: Optional[str]) -> Optional[str]:
@@ -203,7 +200,8 @@ def push_to_hub(
     base_model: Optional[str] = None,
     tokenizer=None,
     *,
-    training_summary: Optional[dict] = None,
+    training_summary: Optional[Union[TrainingSummary, dict]] = None,
+    card=None,
     max_shard_size: Union[int, str] = "5GB",
     endpoint: Optional[str] = None,
     max_retries: int = 3,
@@ -217,9 +215,10 @@ def push_to_hub(
     ``generation_config.json`` and the tokenizer; adapters with layer interpolation cannot be merged and raise
     ``ValueError``. Full-parameter LISA output (a plain transformers model or its directory) is pushed as merged.
 
-    Everything is built in a temporary folder and checked first, then uploaded by a single ``create_commit``: a
-    failure leaves the repo as it was. Pickle files (``*.bin``, ``*.pt``, ``training_args.bin``, …) are never
-    uploaded. Transient HTTP errors are retried with exponential backoff.
+    Everything is built in a temporary folder and checked first, then uploaded through ``huggingface_hub``
+    (``preupload_lfs_files``, whose ``http_backoff`` retries transient errors) and committed by a single
+    ``create_commit``: a failure leaves the repo as it was. The commit is retried on transient errors, without ever
+    committing twice. Pickle files (``*.bin``, ``*.pt``, ``training_args.bin``, …) are never uploaded.
 
     Args:
         model_or_dir: a ``peft.PeftModel``, a ``transformers.PreTrainedModel`` (full-parameter LISA), or a training
@@ -235,11 +234,16 @@ def push_to_hub(
         base_model: Hub id of the base model, for the card and for the uploaded adapter config when training
             recorded a local path.
         tokenizer: a tokenizer to upload with the model.
-        training_summary: the training summary as a dict, for model objects (a directory's file is read itself).
+        training_summary: the training summary. A [`TrainingSummary`] is used as given (a directory's
+            ``training_summary.json`` is then not read); a dict is laid over the directory's file, if any.
+        card: an already rendered ``huggingface_hub.ModelCard`` for this repo and mode (e.g. the one
+            ``hf-lisa train`` wrote), uploaded as ``README.md`` instead of rendering one; ``card_data`` does not
+            apply to it, and only a missing license is filled in from the base model's Hub card.
         max_shard_size: largest safetensors shard of merged weights.
         endpoint: the Hub endpoint; ``HF_ENDPOINT`` by default.
-        max_retries: retries of each Hub call on transient errors (5xx, 429, dropped connections).
-        retry_base_wait: first backoff in seconds; doubles at each retry, capped at 30 s.
+        max_retries: retries of the commit on the transient errors ``huggingface_hub`` retries (5xx, 429, dropped
+            connections); the file uploads are retried by ``huggingface_hub`` itself.
+        retry_base_wait: first wait before a commit retry, in seconds; doubles at each retry, capped at 30 s.
 
     Returns:
         `huggingface_hub.CommitInfo`: the URL of the commit (a ``str``), with ``.oid``.
@@ -255,7 +259,7 @@ def push_to_hub(
         >>> hf_lisa.push_to_hub("outputs/smollm2-lisa", "me/smollm2-lisa-merged", mode="merged")  # doctest: +SKIP
         ```
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi, ModelCard, get_token
     from huggingface_hub.utils import validate_repo_id
 
     if mode is not None and mode not in PUSH_MODES:
@@ -267,20 +271,24 @@ def push_to_hub(
         raise ValueError(f"max_retries={max_retries} and retry_base_wait={retry_base_wait} must be >= 0.")
 
     with tempfile.TemporaryDirectory(prefix="hf-lisa-push-") as folder:
-        staged = _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, dict(training_summary or {}))
-        hub_base = _resolve_hub_base_model(base_model, (card_data or {}).get("base_model"),
-                                           staged.summary.get("base_model"), staged.source_base)
+        staged = _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, training_summary)
+        hub_base = _resolve_hub_base_model(base_model, (card_data or {}).get("base_model"), staged.summary.base_model,
+                                           staged.source_base)
         if staged.mode == "adapter":
             _point_adapter_config_at_hub(staged, hub_base)
         api = HfApi(endpoint=endpoint, token=token)
-        license_ = None
-        if not (card_data or {}).get("license") and not staged.summary.get("license"):
-            license_ = _inherit_license(api, hub_base)
-        card = render_model_card(
-            repo_id, staged.mode, base_model=hub_base, adapter_config=staged.adapter_config,
-            model_config=staged.model_config, summary=staged.summary, card_data=card_data,
-            loss_plot=staged.loss_plot, license=license_,
-        )
+        if card is None:
+            license_ = None
+            if not (card_data or {}).get("license") and not staged.summary.license:
+                license_ = _inherit_license(api, hub_base)
+            card = render_model_card(
+                repo_id, staged.mode, base_model=hub_base, adapter_config=staged.adapter_config,
+                model_config=staged.model_config, summary=staged.summary, card_data=card_data,
+                loss_plot=staged.loss_plot, license=license_,
+            )
+        elif not card.data.license and (license_ := _inherit_license(api, hub_base)):
+            card = ModelCard(card.content)  # a copy: the caller's card stays as it was
+            card.data.license = license_
         card.save(os.path.join(folder, README_NAME))
         files = _collect_files(folder, staged.mode, staged.loss_plot)
         _validate_staged(staged, files)
@@ -289,8 +297,7 @@ def push_to_hub(
             f"Upload adapter (hf-lisa, {method})" if staged.mode == "adapter"
             else f"Upload merged weights (hf-lisa, {method})"
         )
-        ctx = {"repo_id": repo_id, "endpoint": api.endpoint, "redact": _Redactor(token or get_token()),
-               "max_retries": max_retries, "retry_base_wait": retry_base_wait}
-        info = _upload(api, repo_id, folder, files, message, private, revision, ctx)
+        info = _upload(api, repo_id, folder, files, message, private, revision, max_retries, retry_base_wait,
+                       _Redactor(token or get_token()))
     logger.info("Pushed %s to %s: %s", staged.mode, repo_id, info)
     return info

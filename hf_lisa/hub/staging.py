@@ -1,4 +1,4 @@
-"""Stage what a push uploads: adapter or merged weights, tokenizer files, the loss plot; refuse pickles and half folders."""
+"""Stage what a push uploads: adapter or merged weights, tokenizer files, the loss plot; refuse pickle, half folders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Union
 
 from .load import (
     ADAPTER_CONFIG_NAME,
@@ -20,14 +20,12 @@ from .load import (
     _auto_class_for_config,
     from_pretrained,
 )
+from .summary import TrainingSummary, jsonable
 
 logger = logging.getLogger(__name__)
 
 
 PUSH_MODES = ("adapter", "merged")
-
-
-TRAINING_SUMMARY_NAME = "training_summary.json"
 
 
 DEFAULT_LOSS_PLOT = "loss.png"
@@ -90,7 +88,7 @@ class _Staged:
     mode: str  # "adapter" | "merged"
     adapter_config: Optional[dict] = None  # the adapter's config, also for a merged adapter (for the card)
     model_config: Optional[dict] = None
-    summary: dict = field(default_factory=dict)
+    summary: TrainingSummary = field(default_factory=TrainingSummary)
     loss_plot: Optional[str] = None
     source_base: Optional[str] = None  # base_model_name_or_path as recorded by training (maybe a local path)
 
@@ -107,18 +105,6 @@ def _looks_local(name: Optional[str]) -> bool:
     if os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or not _HUB_ID_RE.fullmatch(name):
         return True
     return os.path.isdir(name)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(_jsonable(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if hasattr(value, "value") and isinstance(getattr(value, "value"), str):  # enums such as PeftType, TaskType
-        return value.value
-    return value
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -170,12 +156,12 @@ def _copy_tokenizer_files(src: str, folder: str) -> list[str]:
     return copied
 
 
-def _find_loss_plot(src: str, summary: dict) -> Optional[str]:
-    name = summary.get("loss_plot") or DEFAULT_LOSS_PLOT
+def _find_loss_plot(src: str, summary: TrainingSummary) -> Optional[str]:
+    name = summary.loss_plot or DEFAULT_LOSS_PLOT
     path = os.path.join(src, name)
     if not os.path.isfile(path):
-        if summary.get("loss_plot"):
-            logger.warning("training_summary.json names loss plot %r, which is not in %s; the card has none.", name,
+        if summary.loss_plot:
+            logger.warning("The training summary names loss plot %r, which is not in %s; the card has none.", name,
                            src)
         return None
     if not name.lower().endswith(IMAGE_SUFFIXES) or os.path.isabs(name) or ".." in name.split("/"):
@@ -184,10 +170,10 @@ def _find_loss_plot(src: str, summary: dict) -> Optional[str]:
     return name
 
 
-def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_shard_size, base_model) -> _Staged:
+def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_shard_size, base_model,
+                     summary: TrainingSummary) -> _Staged:
     if not os.path.isdir(src):
         raise FileNotFoundError(f"output directory {src!r} does not exist.")
-    summary = _read_json(os.path.join(src, TRAINING_SUMMARY_NAME)) or {}
     adapter_config = _read_json(os.path.join(src, ADAPTER_CONFIG_NAME))
     model_config = _read_json(os.path.join(src, MODEL_CONFIG_NAME))
     if adapter_config is None and model_config is None:
@@ -230,7 +216,7 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
         model = model_cls.from_pretrained(src, dtype="auto")
         model.save_pretrained(folder, max_shard_size=max_shard_size)
         staged.model_config = _read_json(os.path.join(folder, MODEL_CONFIG_NAME))
-        staged.source_base = summary.get("base_model") or model_config.get("_name_or_path")
+        staged.source_base = summary.base_model or model_config.get("_name_or_path")
 
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -243,10 +229,11 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
     return staged
 
 
-def _stage_peft_model(model, mode: Optional[str], folder: str, tokenizer, max_shard_size, summary: dict) -> _Staged:
+def _stage_peft_model(model, mode: Optional[str], folder: str, tokenizer, max_shard_size,
+                      summary: TrainingSummary) -> _Staged:
     mode = _resolve_mode(mode, "adapter", "the PeftModel")
     adapter_name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
-    config = _jsonable(model.peft_config[adapter_name].to_dict())
+    config = jsonable(model.peft_config[adapter_name].to_dict())
     staged = _Staged(folder=folder, mode=mode, adapter_config=config, summary=summary,
                      source_base=config.get("base_model_name_or_path"))
     if mode == "adapter":
@@ -273,22 +260,30 @@ def _stage_peft_model(model, mode: Optional[str], folder: str, tokenizer, max_sh
     return staged
 
 
-def _stage_full_model(model, mode: Optional[str], folder: str, tokenizer, max_shard_size, summary: dict) -> _Staged:
+def _stage_full_model(model, mode: Optional[str], folder: str, tokenizer, max_shard_size,
+                      summary: TrainingSummary) -> _Staged:
     mode = _resolve_mode(mode, "full", f"the {type(model).__name__}")
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     staged = _Staged(folder=folder, mode=mode, model_config=_read_json(os.path.join(folder, MODEL_CONFIG_NAME)),
-                     summary=summary, source_base=summary.get("base_model") or getattr(model, "name_or_path", None))
+                     summary=summary, source_base=summary.base_model or getattr(model, "name_or_path", None))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return staged
 
 
+def _summary_for(model_or_dir, summary: Optional[Union[TrainingSummary, dict]]) -> TrainingSummary:
+    """The summary of a push: an object as given; a dict over the directory's ``training_summary.json``, if any."""
+    if isinstance(summary, TrainingSummary):
+        return summary
+    if isinstance(model_or_dir, (str, os.PathLike)) and os.path.isdir(model_or_dir):
+        return TrainingSummary.from_dict({**TrainingSummary.from_dir(model_or_dir).to_dict(), **(summary or {})})
+    return TrainingSummary.from_dict(summary)
+
+
 def _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, summary) -> _Staged:
+    summary = _summary_for(model_or_dir, summary)
     if isinstance(model_or_dir, (str, os.PathLike)):
-        staged = _stage_directory(os.fspath(model_or_dir), mode, folder, tokenizer, max_shard_size, base_model)
-        if summary:
-            staged.summary = {**staged.summary, **summary}
-        return staged
+        return _stage_directory(os.fspath(model_or_dir), mode, folder, tokenizer, max_shard_size, base_model, summary)
     from peft import PeftModel
     from transformers import PreTrainedModel
 

@@ -1,19 +1,22 @@
 """The one place that decides what trains: LISA's layerwise schedule and the sparse-mask re-selection.
 
 Everything about *which* parameters train, *when* that changes and *what happens to the optimizer state* lives here,
-in the spirit of BAdam's ``block_optim.py``. The Trainer callbacks in ``trainer_callbacks`` only call these classes at
+in the spirit of BAdam's ``block_optim.py``. The Trainer callbacks in ``hf_lisa.trainer_callbacks`` only call these classes at
 the right events.
 
 Modules:
 
-* :mod:`.layerwise`: :class:`LayerwiseScheduler` (full-parameter and adapter form): every K optimizer steps, γ blocks train; the
-  always-trainable set (embeddings, LM head, final norm, or all non-block adapter parameters) trains throughout.
-* :mod:`.mask_schedule`: :class:`MaskScheduler` (sparse LISA adapters): selects the element mask ``M`` from ``|∂L/∂W|`` accumulated over
-  ``importance_steps`` batches, at train begin and every ``mask_update_interval`` steps.
-
-* :mod:`.sampler`: :class:`LayerSampler`, which γ blocks come next (uniform, importance, cyclic);
+* :mod:`.layerwise`: :class:`LayerwiseScheduler` (full-parameter and adapter form): every K optimizer steps, γ
+  blocks train; the always-trainable set (embeddings, LM head, final norm, or all non-block adapter parameters) trains
+  throughout.
+* :mod:`.mask_schedule`: :class:`MaskScheduler` (sparse LISA adapters): selects the element mask ``M`` from
+  ``|∂L/∂W|`` accumulated over ``importance_steps`` batches, at train begin and every ``mask_update_interval`` steps.
+* :mod:`.active_set`: :class:`BlockIndex`, the model's blocks and parameter groups, built once per model and read by
+  every consumer (schedule, LLRD, monitor, summary, FSDP2), and :class:`ActiveSet`, the one record of the active blocks;
+* :mod:`.sampler`: :class:`LayerSampler`, which γ blocks come next (uniform, importance, cyclic): it proposes only;
 * :mod:`.optim_state`: what happens to the optimizer state of blocks that leave the active set;
 * :mod:`.param_groups`: layer-wise learning-rate decay groups;
+* :mod:`.state`: the schedule's state on disk (``lisa_state.safetensors``, no pickle);
 * :mod:`.common`: the state format version and the adapter-config lookup they share.
 
 Choices made here, and why:
@@ -29,24 +32,32 @@ Choices made here, and why:
   period). Blocks that stay active across a switch keep their state, so γ = N is exactly full fine-tuning.
 * At a mask re-selection the function changes abruptly: entries dropped from ``M`` vanish at once and new entries
   start from the current ``B A``. The loss on a fixed batch just before and after is measured and logged.
+* Nothing here depends on a distributed engine: whoever prepares the run (the callbacks, or a custom loop) calls
+  :func:`hf_lisa.distributed.check_layer_switching_supported` once, before the first freeze.
 """
 
 from __future__ import annotations
 
+from .active_set import ActiveSet, BlockIndex
 from .common import SCHEDULER_STATE_VERSION, lisa_config_of
 from .layerwise import ALWAYS_TRAINABLE_KEYWORDS, DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler
 from .mask_schedule import MaskScheduler
 from .optim_state import OPTIMIZER_STATE_POLICIES, optimizer_state_bytes
 from .sampler import LayerSampler
+from .state import load_schedule, save_schedule
 
 __all__ = [
     "ALWAYS_TRAINABLE_KEYWORDS",
     "DEFAULT_ALWAYS_TRAINABLE",
     "OPTIMIZER_STATE_POLICIES",
     "SCHEDULER_STATE_VERSION",
+    "ActiveSet",
+    "BlockIndex",
     "LayerSampler",
     "LayerwiseScheduler",
     "MaskScheduler",
     "lisa_config_of",
+    "load_schedule",
     "optimizer_state_bytes",
+    "save_schedule",
 ]

@@ -7,7 +7,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-SCHEDULER_STATE_VERSION = 2
+#: format of the saved schedule state; 3 keeps its tensors in ``lisa_state.safetensors`` (:mod:`.state`)
+SCHEDULER_STATE_VERSION = 3
 
 
 def _is_int(value: Any) -> bool:

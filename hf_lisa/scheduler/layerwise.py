@@ -9,10 +9,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..blocks import _unwrap, find_blocks
-from .optim_state import OPTIMIZER_STATE_POLICIES, drop_optimizer_state, optimizer_state_bytes
+from ..blocks import _unwrap
+from ..tuner.config import check_lisa_settings
+from .active_set import ActiveSet, BlockIndex
+from .common import SCHEDULER_STATE_VERSION, _numel, lisa_config_of
+from .optim_state import drop_optimizer_state, optimizer_state_bytes
 from .sampler import LayerSampler
-from .common import SCHEDULER_STATE_VERSION, _is_int, _numel, lisa_config_of
 
 ALWAYS_TRAINABLE_KEYWORDS = ("embeddings", "lm_head", "norm", "heads")
 
@@ -48,6 +50,11 @@ class LayerwiseScheduler:
       parameters; ``always_trainable=None`` keeps every non-block candidate (layer-interpolation scalars,
       ``modules_to_save``) trainable.
 
+    The blocks come from the model's :class:`~hf_lisa.scheduler.active_set.BlockIndex` (``index``, the object every
+    other consumer reads too), and the current blocks are held by :attr:`active_set`: the sampler only proposes.
+    The scheduler checks no distributed engine; the callbacks (or a custom loop) call
+    :func:`hf_lisa.distributed.check_layer_switching_supported` before the first freeze.
+
     Args:
         model: the model being trained (optionally wrapped by PEFT or DDP).
         num_active: γ, blocks active at a time, ``1 <= γ <= N``.
@@ -65,9 +72,11 @@ class LayerwiseScheduler:
 
     Example:
         ```py
+        >>> from hf_lisa.distributed import check_layer_switching_supported
         >>> from hf_lisa.scheduler import LayerwiseScheduler
         >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
         >>> scheduler = LayerwiseScheduler(model, num_active=2, interval_steps=20, seed=0)  # doctest: +SKIP
+        >>> check_layer_switching_supported(model, optimizer, params=scheduler.candidates)  # doctest: +SKIP
         >>> scheduler.freeze_all_but_active(optimizer)  # doctest: +SKIP
         >>> for step, batch in enumerate(loader):  # doctest: +SKIP
         ...     scheduler.maybe_switch(step, optimizer)
@@ -87,14 +96,11 @@ class LayerwiseScheduler:
         layers_attribute: Optional[str] = None,
         candidate_params: Optional[Iterable[nn.Parameter]] = None,
     ) -> None:
-        if not _is_int(interval_steps) or interval_steps < 1:
-            raise ValueError(
-                f"interval_steps (lisa_interval_steps, K)={interval_steps!r} is invalid; allowed: an integer >= 1."
-            )
-        if optimizer_state_policy not in OPTIMIZER_STATE_POLICIES:
-            raise ValueError(
-                f"optimizer_state_policy={optimizer_state_policy!r} is invalid; allowed: {OPTIMIZER_STATE_POLICIES}."
-            )
+        check_lisa_settings(
+            {"lisa_interval_steps": interval_steps, "lisa_optimizer_state_policy": optimizer_state_policy},
+            where="LayerwiseScheduler ",
+            arguments={"lisa_interval_steps": "interval_steps", "lisa_optimizer_state_policy": "optimizer_state_policy"},
+        )
         if isinstance(always_trainable, str):
             always_trainable = (always_trainable,)
         self.interval_steps = interval_steps
@@ -116,7 +122,8 @@ class LayerwiseScheduler:
         self.block_params: list[list[nn.Parameter]] = []
         self.skipped_blocks: list[str] = []
         seen: set[int] = set()
-        blocks = dict(find_blocks(model, layers_attribute))
+        self.index = BlockIndex.of(model, layers_attribute)
+        blocks = dict(self.index.blocks)
         for name, block in blocks.items():
             params = [p for p in block.parameters() if id(p) in candidate_ids and id(p) not in seen]
             seen.update(id(p) for p in params)
@@ -145,7 +152,7 @@ class LayerwiseScheduler:
         }
 
         self.sampler = LayerSampler(len(self.block_names), num_active, strategy, seed)
-        self.active: list[int] = []
+        self.active_set = ActiveSet(self.index, self.block_names)
         self.last_switch_step: Optional[int] = None
         self.history: list[tuple[int, list[int]]] = []  # (global_step, active blocks) of every switch this session
 
@@ -247,6 +254,19 @@ class LayerwiseScheduler:
 
     # -- switching ---------------------------------------------------------------------------------------------------
     @property
+    def active(self) -> list[int]:
+        """The blocks that train in the current period (indices into ``block_names``), read from :attr:`active_set`."""
+        return self.active_set.blocks
+
+    @property
+    def freezes_candidates(self) -> bool:
+        """Whether the schedule ever freezes a candidate (γ < N, or candidates outside the always-trainable set).
+
+        Only then does the distributed engine have to support a changing trainable set.
+        """
+        return self.num_active < self.num_blocks or bool(self.frozen_params)
+
+    @property
     def num_blocks(self) -> int:
         return len(self.block_names)
 
@@ -265,18 +285,16 @@ class LayerwiseScheduler:
     def freeze_all_but_active(self, optimizer: Any = None, global_step: int = 0) -> list[int]:
         """Apply the current active set to ``requires_grad`` (drawing the first set if there is none).
 
-        Call it once the optimizer has been built over every candidate parameter (``on_train_begin``). With the drop
-        policy and an ``optimizer``, the state of every frozen candidate is dropped too.
+        Call it once the optimizer has been built over every candidate parameter (``on_train_begin``), and, when
+        :attr:`freezes_candidates`, after :func:`hf_lisa.distributed.check_layer_switching_supported` has accepted the
+        engine (the callbacks call it). With the drop policy and an ``optimizer``, the state of every frozen candidate
+        is dropped too.
         """
         if not self.active:
-            self.active = self.sampler.sample()
+            self.active_set.set(self.sampler.sample())
             self.last_switch_step = global_step
-            self.history.append((global_step, list(self.active)))
+            self.history.append((global_step, self.active))
         frozen = self.frozen_candidates()
-        if frozen and optimizer is not None:  # DeepSpeed ZeRO and flat-parameter engines would train silently wrong
-            from ..distributed import check_layer_switching_supported
-
-            check_layer_switching_supported(optimizer=optimizer, params=self.candidates)
         self.enforce()
         for p in frozen:
             p.grad = None
@@ -338,19 +356,17 @@ class LayerwiseScheduler:
 
     def switch_to(self, blocks: Sequence[int], optimizer: Any = None, global_step: Optional[int] = None) -> None:
         """Make exactly ``blocks`` active: freeze the others, clear their grads and (drop policy) optimizer state."""
-        new = sorted(set(int(b) for b in blocks))
         old = set(self.active)
+        new = self.active_set.set(blocks)
         deactivated = [p for b in sorted(old - set(new)) for p in self.block_params[b]]
         for p in deactivated:
             p.grad = None
         if optimizer is not None and self.optimizer_state_policy == "drop":
             drop_optimizer_state(optimizer, deactivated)
-        self.active = new
-        self.sampler.current = list(new)
         self.enforce()
         if global_step is not None:
             self.last_switch_step = global_step
-            self.history.append((global_step, list(new)))
+            self.history.append((global_step, new))
 
     def observe_gradients(self) -> dict[int, float]:
         """Feed the active blocks' gradient norms to the sampler (``"importance"`` strategy); needs grads present."""
@@ -414,7 +430,7 @@ class LayerwiseScheduler:
                 f"interval_steps={self.interval_steps}; the run will not follow the uninterrupted run's path."
             )
         self.sampler.load_state_dict(state["sampler"])
-        self.active = [int(b) for b in state["active"]]
+        self.active_set.set(state["active"])
         self.last_switch_step = state["last_switch_step"]
         if self.active:
             self.freeze_all_but_active(optimizer)

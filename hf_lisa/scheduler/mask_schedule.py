@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ..tuner import masks as M
-from .common import SCHEDULER_STATE_VERSION, _active_adapter_name, _is_int, lisa_config_of
+from ..tuner.config import check_lisa_settings
+from .common import SCHEDULER_STATE_VERSION, _active_adapter_name, lisa_config_of
+from .state import check_state_version
 
 
 def _dist_world_size() -> int:
@@ -74,22 +76,16 @@ class MaskScheduler:
         self.new_block_bonus = config.new_block_bonus if new_block_bonus is None else new_block_bonus
         self.mask_init = config.mask_init if mask_init is None else mask_init
         self.keep_learned = config.mask_keep_learned if keep_learned is None else keep_learned
-        if not _is_int(self.update_interval) or self.update_interval < 0:
-            raise ValueError(
-                f"mask_update_interval={self.update_interval!r} is invalid; allowed: an integer >= 0 (0 never "
-                "re-selects)."
-            )
-        if not _is_int(self.importance_steps) or self.importance_steps < 1:
-            raise ValueError(f"importance_steps={self.importance_steps!r} is invalid; allowed: an integer >= 1.")
-        if self.update_interval and self.update_interval < self.importance_steps:
-            raise ValueError(
-                f"mask_update_interval={self.update_interval} is shorter than the importance window "
-                f"importance_steps={self.importance_steps}; allowed: mask_update_interval >= importance_steps, or 0."
-            )
-        if self.new_block_bonus < 0:
-            raise ValueError(f"new_block_bonus={self.new_block_bonus!r} is invalid; allowed: a float >= 0.")
-        if self.keep_learned < 0:
-            raise ValueError(f"mask_keep_learned={self.keep_learned!r} is invalid; allowed: a float >= 0.")
+        check_lisa_settings(
+            {
+                "mask_update_interval": self.update_interval,
+                "importance_steps": self.importance_steps,
+                "new_block_bonus": self.new_block_bonus,
+                "mask_keep_learned": self.keep_learned,
+            },
+            where="MaskScheduler ",
+            arguments={"mask_update_interval": "update_interval", "mask_keep_learned": "keep_learned"},
+        )
         # a block trains K steps at a time: the window must complete, and the selection happen, inside one period
         self.window = (
             self.importance_steps if interval_steps is None else min(self.importance_steps, max(1, interval_steps - 1))
@@ -337,13 +333,7 @@ class MaskScheduler:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output. The masks themselves come back with the adapter weights."""
-        if state.get("version") != SCHEDULER_STATE_VERSION:
-            raise ValueError(
-                f"Cannot restore the mask schedule: the checkpoint stores version {state.get('version')!r} of its state "
-                f"and this hf-lisa reads version {SCHEDULER_STATE_VERSION} (per-layer calibration and re-selection). "
-                "Resume with the hf-lisa release that wrote the checkpoint, or start a new run from the saved adapter "
-                "(PeftModel.from_pretrained(..., is_trainable=True) keeps its masks)."
-            )
+        check_state_version(state.get("version"), "the mask schedule")
         names = [name for name, _ in self.layers]
         if list(state["layers"]) != names:
             raise ValueError(

@@ -12,7 +12,8 @@ from typing import Any, Iterable
 
 import torch
 
-OPTIMIZER_STATE_POLICIES = ("drop", "keep")
+from ..tuner.config import OPTIMIZER_STATE_POLICIES  # noqa: F401  (re-exported: hf_lisa.scheduler)
+
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:

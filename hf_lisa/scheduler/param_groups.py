@@ -31,14 +31,16 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from ..blocks import find_blocks
+from .active_set import EMBEDDINGS_GROUP, HEAD_GROUP, BlockIndex, block_group_name
 
-EMBEDDINGS_GROUP = "embeddings"
-HEAD_GROUP = "head"
-
-
-def block_group_name(index: int) -> str:
-    return f"block.{index}"
+__all__ = [
+    "EMBEDDINGS_GROUP",
+    "HEAD_GROUP",
+    "assign_param_groups",
+    "block_group_name",
+    "layerwise_lr",
+    "layerwise_lr_decay_param_groups",
+]
 
 
 def layerwise_lr(lr: float, decay: float, num_blocks: int, group: str) -> float:
@@ -56,28 +58,11 @@ def assign_param_groups(
 ) -> tuple[dict[str, str], int]:
     """Map every parameter name of ``model`` to its LLRD group; also return the number of blocks.
 
-    Names are those of ``model.named_parameters()`` (works through PeftModel and DDP wrappers).
+    Names are those of ``model.named_parameters()`` (works through PeftModel and DDP wrappers). The map is the
+    model's :class:`~hf_lisa.scheduler.active_set.BlockIndex` group map, the one the monitor and the summary read.
     """
-    blocks = find_blocks(model, layers_attribute)
-    param_to_block: dict[int, int] = {}
-    for index, (_, block) in enumerate(blocks):
-        for p in block.parameters():
-            param_to_block[id(p)] = index
-    embedding_params = {
-        id(p)
-        for module in model.modules()
-        if isinstance(module, nn.Embedding)
-        for p in module.parameters(recurse=False)
-    }
-    groups: dict[str, str] = {}
-    for name, param in model.named_parameters():
-        if id(param) in param_to_block:
-            groups[name] = block_group_name(param_to_block[id(param)])
-        elif id(param) in embedding_params:
-            groups[name] = EMBEDDINGS_GROUP
-        else:
-            groups[name] = HEAD_GROUP
-    return groups, len(blocks)
+    index = BlockIndex.of(model, layers_attribute)
+    return dict(index.groups), index.num_blocks
 
 
 def layerwise_lr_decay_param_groups(
@@ -105,7 +90,7 @@ def layerwise_lr_decay_param_groups(
     """
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"layerwise_lr_decay={decay!r} is invalid; allowed: a float in (0, 1] (1 disables decay).")
-    assignment, num_blocks = assign_param_groups(model, layers_attribute)
+    index = BlockIndex.of(model, layers_attribute)
     no_decay = set(no_decay_names or ())
     grouped: dict[str, dict] = {}
     seen: set[int] = set()
@@ -113,13 +98,13 @@ def layerwise_lr_decay_param_groups(
         if not param.requires_grad or id(param) in seen:
             continue
         seen.add(id(param))
-        group = assignment[name]
+        group = index.groups[name]
         decays = no_decay_names is None or name not in no_decay
         key = group if decays else f"{group}/no_decay"
         if key not in grouped:
             grouped[key] = {
                 "params": [],
-                "lr": layerwise_lr(lr, decay, num_blocks, group),
+                "lr": layerwise_lr(lr, decay, index.num_blocks, group),
                 "weight_decay": weight_decay if decays else 0.0,
                 "name": key,
             }

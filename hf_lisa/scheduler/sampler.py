@@ -1,9 +1,12 @@
 """``LayerSampler``: which γ of the N transformer blocks train during the next period of K optimizer steps.
 
+The sampler only *proposes*: :meth:`LayerSampler.sample` returns the next draw, and the scheduler that applies it holds
+the active set (:class:`hf_lisa.scheduler.active_set.ActiveSet`).
+
 The sampler owns a private, seeded ``torch.Generator``. Every rank of a distributed run builds the same sampler with
 the same seed and therefore draws the same blocks without communicating (the global NumPy/torch RNGs differ per rank
 and are consumed by dropout and data shuffling, so they must never be used here). Its whole state, generator
-included, is exportable as plain Python data plus tensors (see :mod:`hf_lisa.json_state`).
+included, is exportable as plain Python data plus tensors (see :mod:`hf_lisa.scheduler.state`).
 
 Strategies:
 
@@ -28,13 +31,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..tuner.config import LAYER_SAMPLING_STRATEGIES
+from ..tuner.config import LAYER_SAMPLING_STRATEGIES, check_lisa_settings
+from .common import _is_int
 
 __all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class LayerSampler:
@@ -66,13 +66,14 @@ class LayerSampler:
     ) -> None:
         if not _is_int(num_layers) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r} is invalid; the model must have at least one block.")
-        if not _is_int(num_active) or not 1 <= num_active <= num_layers:
-            raise ValueError(
-                f"num_active (lisa_activated_layers, γ)={num_active!r} is invalid; allowed: an integer in "
-                f"[1, {num_layers}] (the model has {num_layers} blocks)."
-            )
-        if strategy not in LAYER_SAMPLING_STRATEGIES:
-            raise ValueError(f"strategy (lisa_sampling)={strategy!r} is invalid; allowed: {LAYER_SAMPLING_STRATEGIES}.")
+        # γ <= N is checked here, where N is known, by the rules every other LISA setting follows
+        check_lisa_settings(
+            {"lisa_activated_layers": num_active, "lisa_sampling": strategy},
+            where="LayerSampler ",
+            arguments={"lisa_activated_layers": "num_active", "lisa_sampling": "strategy"},
+            allow_every_block=False,
+            num_blocks=num_layers,
+        )
         if not _is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
         if not 0.0 <= importance_decay < 1.0:
@@ -86,14 +87,13 @@ class LayerSampler:
         self.importance_decay = importance_decay
         self.importance_floor = importance_floor
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.current: list[int] = []
         self.num_draws = 0
         self._queue: list[int] = []  # cyclic: the rest of the current permutation(s)
         self.scores: list[Optional[float]] = [None] * num_layers  # importance: running gradient norm per block
 
     # -- drawing -------------------------------------------------------------------------------------------------------
     def sample(self) -> list[int]:
-        """Draw the blocks of the next period; returns sorted block indices and stores them in ``current``."""
+        """Propose the blocks of the next period: sorted, distinct block indices. The caller decides and holds them."""
         if self.strategy == "uniform":
             chosen = torch.randperm(self.num_layers, generator=self.generator)[: self.num_active].tolist()
         elif self.strategy == "cyclic":
@@ -102,9 +102,8 @@ class LayerSampler:
             chosen = torch.multinomial(
                 self.probabilities(), self.num_active, replacement=False, generator=self.generator
             ).tolist()
-        self.current = sorted(int(b) for b in chosen)
         self.num_draws += 1
-        return list(self.current)
+        return sorted(int(b) for b in chosen)
 
     def _sample_cyclic(self) -> list[int]:
         chosen: list[int] = []
@@ -146,7 +145,10 @@ class LayerSampler:
 
     # -- state ---------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the exact same sequence: settings, generator state, counters, scores."""
+        """Everything needed to continue the exact same sequence: settings, generator state, counters, scores.
+
+        The active set is not part of it: the scheduler that holds it saves it (``"active"``).
+        """
         return {
             "num_layers": self.num_layers,
             "num_active": self.num_active,
@@ -155,14 +157,16 @@ class LayerSampler:
             "importance_decay": self.importance_decay,
             "importance_floor": self.importance_floor,
             "generator": self.generator.get_state(),
-            "current": list(self.current),
             "num_draws": self.num_draws,
             "queue": list(self._queue),
             "scores": list(self.scores),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output. The block count, γ and strategy must match this sampler's."""
+        """Restore :meth:`state_dict` output. The block count, γ and strategy must match this sampler's.
+
+        States written by hf-lisa 0.1 also carry ``"current"``, a copy of the scheduler's active set; it is ignored.
+        """
         for key in ("num_layers", "num_active", "strategy"):
             if state[key] != getattr(self, key):
                 raise ValueError(
@@ -174,7 +178,6 @@ class LayerSampler:
         self.importance_decay = state["importance_decay"]
         self.importance_floor = state["importance_floor"]
         self.generator.set_state(torch.as_tensor(state["generator"], dtype=torch.uint8))
-        self.current = [int(b) for b in state["current"]]
         self.num_draws = int(state["num_draws"])
         self._queue = [int(b) for b in state["queue"]]
         self.scores = [None if s is None else float(s) for s in state["scores"]]
@@ -182,5 +185,5 @@ class LayerSampler:
     def __repr__(self) -> str:
         return (
             f"LayerSampler(num_layers={self.num_layers}, num_active={self.num_active}, strategy={self.strategy!r}, "
-            f"seed={self.seed}, current={self.current})"
+            f"seed={self.seed}, num_draws={self.num_draws})"
         )

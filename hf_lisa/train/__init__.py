@@ -57,7 +57,7 @@ from .evaluation import compute_metrics, generation_exact_match, generation_rows
 from .methods import apply_method, load_model_and_tokenizer, resolve_model_path
 from .outputs import TRAINING_SUMMARY_NAME, save_final_model, trainable_summary
 from .run import main, run
-from .trainer import _trainer_class  # noqa: F401  (benchmarks; see trainer.py)
+from .trainer import LisaTrainer
 
 __all__ = [
     "ADAPTER_METHODS",
@@ -67,6 +67,7 @@ __all__ = [
     "TRAINING_SUMMARY_NAME",
     "DataArguments",
     "LisaArguments",
+    "LisaTrainer",
     "ModelArguments",
     "apply_method",
     "compute_metrics",

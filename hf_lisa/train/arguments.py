@@ -1,17 +1,22 @@
-"""The options of ``hf-lisa train``: dataclasses parsed by ``HfArgumentParser``, a YAML/JSON file's values, and the cross-checks."""
+"""The options of ``hf-lisa train``: dataclasses parsed by ``HfArgumentParser`` (a YAML/JSON file's values as their
+defaults), with the LISA settings generated from ``LisaConfig``'s fields, and the checks made once they are parsed."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import logging
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+
+from ..tuner.config import LisaConfig, lisa_config_fields
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -163,9 +168,12 @@ class DataArguments:
     )
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# LisaArguments: the method, its LisaConfig settings (generated from LisaConfig's fields) and the run-level options
+# ----------------------------------------------------------------------------------------------------------------------
 @dataclass
-class LisaArguments:
-    """The fine-tuning method and its knobs. Adapter knobs (r, lisa_alpha, ...) apply to lisa-adapter, lora, dora."""
+class _MethodArguments:
+    """``--method`` and the options that are not ``LisaConfig`` fields (the base of [`LisaArguments`])."""
 
     method: str = field(
         default="lisa",
@@ -173,20 +181,6 @@ class LisaArguments:
             "help": "lisa (full-parameter layerwise sampling, saves full weights), lisa-adapter (LISA PEFT adapters: "
             "sparsity, interpolation, sampling), lora, dora, or full."
         },
-    )
-    lisa_activated_layers: int = field(
-        default=2,
-        metadata={
-            "help": "gamma: blocks trained at a time (lisa; and lisa-adapter, where 0 trains every block's adapter)."
-        },
-    )
-    lisa_interval_steps: int = field(default=20, metadata={"help": "K: optimizer steps between block switches."})
-    lisa_sampling: str = field(
-        default="uniform", metadata={"help": "Block sampling: 'uniform' (the paper), 'importance' or 'cyclic'."}
-    )
-    lisa_layers_attribute: Optional[str] = field(
-        default=None,
-        metadata={"help": "Dotted path of the block list (e.g. 'model.layers'), overriding automatic discovery."},
     )
     lisa_always_trainable: list[str] = field(
         default_factory=lambda: ["embeddings", "lm_head", "norm"],
@@ -198,46 +192,6 @@ class LisaArguments:
     lisa_optimizer_state_policy: str = field(
         default="drop",
         metadata={"help": "'drop' frees the optimizer state of deactivated blocks at a switch; 'keep' keeps it."},
-    )
-    r: int = field(default=8, metadata={"help": "Adapter rank (lisa-adapter, lora, dora)."})
-    lisa_alpha: float = field(
-        default=16, metadata={"help": "Adapter scaling numerator, scale = lisa_alpha / r (LoRA's lora_alpha)."}
-    )
-    lisa_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter input (LoRA's lora_dropout)."})
-    target_modules: Optional[list[str]] = field(
-        default=None,
-        metadata={
-            "help": "Modules to adapt, e.g. q_proj k_proj v_proj, or 'all-linear'. Default: each method's "
-            "per-architecture default."
-        },
-    )
-    sparsity: float = field(default=0.0, metadata={"help": "rho, fraction of zeros of the LISA mask (0 = LoRA)."})
-    sparsity_structure: str = field(default="block", metadata={"help": "'block', 'n:m' or 'unstructured'."})
-    block_size: str = field(default="2x2", metadata={"help": "Mask block shape (out x in) for 'block', e.g. 2x2."})
-    n_m: str = field(default="2:4", metadata={"help": "Keep n of every m inputs for 'n:m', e.g. 2:4."})
-    mask_init: str = field(
-        default="importance", metadata={"help": "'importance', 'magnitude', 'random' or 'dense'."}
-    )
-    mask_update_interval: int = field(
-        default=1000, metadata={"help": "Re-select the sparse mask every this many steps; 0 never."}
-    )
-    importance_steps: int = field(default=8, metadata={"help": "Optimizer steps of |dL/dW| per mask selection."})
-    mask_keep_learned: float = field(
-        default=1.0, metadata={"help": "Weight of the learned |delta W| beside |dL/dW| when re-selecting the mask."}
-    )
-    new_block_bonus: float = field(
-        default=0.5, metadata={"help": "Importance bonus for mask cells switched on at the previous update."}
-    )
-    layer_interpolation: bool = field(
-        default=False, metadata={"help": "Learn h_l = alpha_l f_l(h_{l-1}) + beta_l per block (cannot be merged)."}
-    )
-    interpolation_beta_l2: float = field(default=0.01, metadata={"help": "lambda of the penalty lambda * sum(beta^2)."})
-    rank_pattern: Optional[str] = field(
-        default=None, metadata={"help": "JSON dict of per-module ranks, e.g. '{\"up_proj\": 16}' (a dict in YAML)."}
-    )
-    alpha_pattern: Optional[str] = field(default=None, metadata={"help": "JSON dict of per-module lisa_alpha."})
-    sparsity_pattern: Optional[str] = field(
-        default=None, metadata={"help": "JSON dict of per-module sparsity, e.g. '{\"up_proj\": 0.0}'."}
     )
     layerwise_lr_decay: float = field(
         default=1.0,
@@ -277,12 +231,114 @@ class LisaArguments:
     )
 
 
+def _json_dict(value, name: str) -> dict:
+    """A ``--rank_pattern``-style option: a JSON object on the command line, a mapping in YAML."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--{name}={value!r} is not valid JSON ({err}); expected e.g. '{{\"up_proj\": 16}}'.") from err
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--{name}={value!r} must be a JSON object mapping module names to values.")
+    return parsed
+
+
+def _module_names(value, name: str):
+    """``["all-linear"]`` is PEFT's special string; other module lists stay lists."""
+    return "all-linear" if value == ["all-linear"] else value
+
+
+@dataclass(frozen=True)
+class _CommandLineForm:
+    """How a ``LisaConfig`` field appears as an option: a type ``HfArgumentParser`` parses, a default, and the
+    conversion back to the ``LisaConfig`` value (identity when ``LisaConfig`` parses the option's value itself)."""
+
+    type: Any
+    default: Any
+    to_config: Optional[Callable[[Any, str], Any]] = None
+    note: str = ""  # appended to LisaConfig's help text
+
+
+#: The LisaConfig fields whose type HfArgumentParser cannot parse (unions, tuples, dicts) or whose command-line
+#: default differs; every other field becomes an option with its own type, default and help.
+_COMMAND_LINE_FORMS: dict[str, _CommandLineForm] = {
+    # list-or-string unions: a list of names ("all-linear" alone is PEFT's keyword)
+    "target_modules": _CommandLineForm(Optional[list[str]], None, _module_names),
+    "exclude_modules": _CommandLineForm(Optional[list[str]], None, _module_names),
+    "layers_to_transform": _CommandLineForm(Optional[list[int]], None),
+    "layers_pattern": _CommandLineForm(Optional[list[str]], None),
+    # pairs as one token, which LisaConfig parses
+    "block_size": _CommandLineForm(str, "2x2"),
+    "n_m": _CommandLineForm(str, "2:4"),
+    # choices as plain strings: LisaConfig's rules refuse a bad value with the same message from YAML and the CLI
+    "sparsity_structure": _CommandLineForm(str, "block"),
+    "mask_init": _CommandLineForm(str, "importance"),
+    "lisa_sampling": _CommandLineForm(str, "uniform"),
+    # per-module dicts: JSON on the command line, a mapping in YAML
+    **dict.fromkeys(
+        ("rank_pattern", "alpha_pattern", "sparsity_pattern"),
+        _CommandLineForm(Optional[str], None, _json_dict, " On the command line a JSON object (a mapping in YAML)."),
+    ),
+    # command-line defaults of hf-lisa 0.1: LoRA's usual alpha = 2r, and γ = 2 (the paper's) for --method lisa
+    "lisa_alpha": _CommandLineForm(float, 16),
+    "lisa_activated_layers": _CommandLineForm(int, 2, note=" Full-parameter LISA needs 1 or more."),
+}
+#: LisaConfig fields that are not options, and why
+_NOT_OPTIONS = {"fan_in_fan_out": "set automatically for Conv1D targets", "init_weights": "False is for tests only"}
+
+
+_LISA_CONFIG_TYPES = typing.get_type_hints(LisaConfig)
+#: the LisaConfig fields that are options of ``hf-lisa train``, in LisaConfig's order
+LISA_CONFIG_OPTIONS: tuple[str, ...] = tuple(f.name for f in lisa_config_fields() if f.name not in _NOT_OPTIONS)
+
+
+def _option(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
+    """``(name, type, field)`` of the option made from the LisaConfig field ``f``, with its help text."""
+    form = _COMMAND_LINE_FORMS.get(f.name)
+    if form is not None:
+        return f.name, form.type, field(default=form.default, metadata={"help": f.metadata["help"] + form.note})
+    kind = _LISA_CONFIG_TYPES[f.name]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.name, kind, field(default_factory=f.default_factory, metadata=f.metadata)
+    return f.name, kind, field(default=f.default, metadata=f.metadata)
+
+
+LisaArguments = dataclasses.make_dataclass(
+    "LisaArguments",
+    [_option(f) for f in lisa_config_fields() if f.name in LISA_CONFIG_OPTIONS],
+    bases=(_MethodArguments,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "The fine-tuning method and its knobs. The LISA settings are `LisaConfig`'s fields (same names "
+        "and help, generated from it). 'Methods:' names the methods that use an option; an option that the chosen "
+        "--method does not use is refused when its value differs from its default, from a config file or the "
+        "command line alike.",
+    },
+)
+
+
+def lisa_config_kwargs(lisa_args) -> dict[str, Any]:
+    """The ``LisaConfig`` keyword arguments that ``lisa_args`` holds, converted from their command-line form."""
+    kwargs = {}
+    for name in LISA_CONFIG_OPTIONS:
+        value = getattr(lisa_args, name)
+        form = _COMMAND_LINE_FORMS.get(name)
+        kwargs[name] = form.to_config(value, name) if form is not None and form.to_config is not None else value
+    return kwargs
+
+
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, LisaArguments)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Parsing: YAML + command line, the command line wins
+# Parsing: a YAML/JSON file's values become the parser's defaults, so the command line wins
 # ----------------------------------------------------------------------------------------------------------------------
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 def _argument_classes():
     from transformers import TrainingArguments
 
@@ -290,40 +346,7 @@ def _argument_classes():
 
 
 def _known_fields() -> set[str]:
-    return {f.name for cls in _argument_classes() for f in fields(cls) if f.init}
-
-
-def _config_to_argv(config: dict, source: str) -> list[str]:
-    """Turn a YAML/JSON mapping into ``--key value`` tokens placed before the command line's."""
-    known = _known_fields()
-    unknown = [k for k in config if k not in known]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(
-            f"{source}: unknown option(s) {', '.join(hints)}. Run `hf-lisa config-reference` for the full list."
-        )
-    argv: list[str] = []
-    for key, value in config.items():
-        if value is None:
-            continue  # YAML null keeps the default
-        flag = f"--{key}"
-        if isinstance(value, bool):
-            argv += [flag, "true" if value else "false"]
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        elif isinstance(value, (list, tuple)):
-            if not value:
-                argv += [flag, "none"]
-            elif all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
-                argv += [flag, *[str(v) for v in value]]
-            else:
-                argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return {f.name for cls in _argument_classes() for f in dataclasses.fields(cls) if f.init}
 
 
 def load_config_file(path: str) -> dict:
@@ -346,13 +369,50 @@ def load_config_file(path: str) -> dict:
     return config
 
 
-def parse_args(argv: Optional[Sequence[str]] = None):
-    """Parse ``[CONFIG.yaml] [--key value ...]`` into the four argument dataclasses.
+def _suggest(names: Sequence[str], prefix: str = "") -> str:
+    """``'name' (did you mean 'known'?)`` for each unknown name; ``prefix`` (``"--"`` for command-line tokens) marks
+    the names to look up, so that a stray value gets no suggestion."""
+    known = _known_fields()
+    hints = []
+    for name in names:
+        key = name[len(prefix):].split("=", 1)[0]
+        close = difflib.get_close_matches(key, known, n=1) if name.startswith(prefix) else []
+        hints.append(f"{name!r}" + (f" (did you mean '{prefix}{close[0]}'?)" if close else ""))
+    return ", ".join(hints)
+
+
+def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "defaults"):
+    """The ``HfArgumentParser`` of ``hf-lisa train``, with ``defaults`` (e.g. a config file's values) replacing the
+    dataclasses' own; ``None`` values keep them. Unknown names are refused with a suggestion."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        _argument_classes(),
+        prog="hf-lisa train",
+        usage="hf-lisa train [CONFIG.yaml|CONFIG.json] [--option value ...]",
+        description="Fine-tune a causal LM with LISA, LoRA, DoRA or full fine-tuning. A config file's values are the "
+        "defaults; command-line options override them. `hf-lisa config-reference` lists every option.",
+    )
+    defaults = {k: v for k, v in (defaults or {}).items() if v is not None}  # YAML null keeps the default
+    unknown = sorted(set(defaults) - _known_fields())
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown option(s) {_suggest(unknown)}. Run `hf-lisa config-reference` for the full list."
+        )
+    # one value for a list option is a list of one, as on the command line (``target_modules: q_proj``)
+    lists = {action.dest for action in parser._actions if action.nargs == "+"}
+    parser.set_defaults(**{k: [v] if k in lists and not isinstance(v, list) else v for k, v in defaults.items()})
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[str, Any]] = None):
+    """Parse ``[CONFIG.yaml] [--key value ...]`` into the four argument dataclasses, and check them.
 
     Returns ``(ModelArguments, DataArguments, LisaArguments, TrainingArguments)``.
 
-    Values from the config file come first and command-line flags after them, so the command line wins. Without
-    ``output_dir`` the Trainer's default (``trainer_output``) is used.
+    The values of the config file (YAML or JSON, given first) replace the dataclasses' defaults, and the command line
+    is parsed over them, so the command line wins. ``defaults`` (e.g. the demo's settings) sit below the file's
+    values. Without ``output_dir`` the Trainer's default (``trainer_output``) is used.
 
     Example:
         ```py
@@ -363,52 +423,37 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         ('lora', 0.0001)
         ```
     """
-    from transformers import HfArgumentParser
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    config_argv: list[str] = []
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
-        config_argv = _config_to_argv(load_config_file(argv[0]), argv[0])
-        argv = argv[1:]
-    parser = HfArgumentParser(_argument_classes())
-    *parsed, remaining = parser.parse_args_into_dataclasses(args=config_argv + argv, return_remaining_strings=True)
+    values, source = dict(defaults or {}), "defaults"
+    if argv and not argv[0].startswith("-") and argv[0].endswith(CONFIG_SUFFIXES):
+        source = argv.pop(0)
+        values.update(load_config_file(source))
+    parser = build_parser(values, source)
+    *parsed, remaining = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True, look_for_args_file=False
+    )
     if remaining:
-        known = _known_fields()
-        hints = []
-        for token in remaining:
-            key = token.lstrip("-").split("=", 1)[0]
-            close = difflib.get_close_matches(key, known, n=1) if token.startswith("--") else []
-            hints.append(f"{token!r}" + (f" (did you mean '--{close[0]}'?)" if close else ""))
         raise ValueError(
-            f"unrecognised argument(s): {', '.join(hints)}. Run `hf-lisa config-reference` for the full list."
+            f"unrecognised argument(s): {_suggest(remaining, '--')}. Run `hf-lisa config-reference` for the full "
+            "list."
         )
     model_args, data_args, lisa_args, training_args = parsed
     validate_args(model_args, data_args, lisa_args, training_args)
     return model_args, data_args, lisa_args, training_args
 
 
-def _json_pattern(value, name: str) -> dict:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--{name}={value!r} is not valid JSON ({err}); expected e.g. '{{\"up_proj\": 16}}'.") from err
-    if not isinstance(parsed, dict):
-        raise ValueError(f"--{name}={value!r} must be a JSON object mapping module names to values.")
-    return parsed
-
-
 def validate_args(model_args, data_args, lisa_args, training_args) -> None:
-    """Check the combinations that each dataclass cannot check alone; errors name the option and what is allowed."""
+    """Check what the dataclasses cannot check alone: the method against its options (:func:`check_method_options`),
+    the LISA settings by LisaConfig's rules, and the combinations; errors name the option and what is allowed."""
+    from ..tuner.config import check_lisa_settings
+    from .methods import OPTION_METHODS, check_method_options  # methods.py imports this module
 
     def need(cond: bool, message: str) -> None:
         if not cond:
             raise ValueError(message)
 
-    need(lisa_args.method in METHODS, f"--method={lisa_args.method!r} is invalid; allowed: {', '.join(METHODS)}.")
+    method = lisa_args.method
+    need(method in METHODS, f"--method={method!r} is invalid; allowed: {', '.join(METHODS)}.")
     need(
         model_args.torch_dtype in ("float32", "bfloat16", "float16", "auto"),
         f"--torch_dtype={model_args.torch_dtype!r} is invalid; allowed: float32, bfloat16, float16, auto.",
@@ -421,17 +466,10 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         lisa_args.push_mode in (None, *PUSH_MODES),
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
-    if lisa_args.method == "lisa":
-        need(
-            lisa_args.lisa_activated_layers >= 1,
-            f"--lisa_activated_layers={lisa_args.lisa_activated_layers} is invalid for --method lisa; allowed: an "
-            "integer >= 1 (use --method full to train every block).",
-        )
-    else:
-        need(
-            lisa_args.lisa_activated_layers >= 0,
-            f"--lisa_activated_layers={lisa_args.lisa_activated_layers} is invalid; allowed: an integer >= 0.",
-        )
+    check_method_options(lisa_args)
+    settings = {**lisa_config_kwargs(lisa_args), "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy}
+    used = {name: value for name, value in settings.items() if method in OPTION_METHODS[name]}
+    check_lisa_settings(used, where=f"--method {method} --", allow_every_block=method != "lisa")
     need(
         lisa_args.monitor_plateau_steps >= 1 and lisa_args.monitor_block_groups >= 1,
         "--monitor_plateau_steps and --monitor_block_groups must be >= 1.",
@@ -439,10 +477,6 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
     from ..distributed import ddp_kwargs_for_lisa
 
     ddp_kwargs_for_lisa(lisa_args.ddp_comm_hook, lisa_args.powersgd_rank, lisa_args.powersgd_start_iter)  # validates
-    if lisa_args.method == "lisa" and lisa_args.layer_interpolation:
-        raise ValueError("--layer_interpolation needs LISA adapters; use --method lisa-adapter.")
-    for name in ("rank_pattern", "alpha_pattern", "sparsity_pattern"):
-        _json_pattern(getattr(lisa_args, name), name)
     if training_args.push_to_hub:
         need(
             bool(training_args.hub_model_id),

@@ -174,7 +174,9 @@ def detect_format(
 
 
 # -- tokenisation ------------------------------------------------------------------------------------------------------
-def _use_chat_template(tokenizer, mode: str) -> bool:
+def use_chat_template(tokenizer, mode: str) -> bool:
+    """Whether rows are rendered through the tokenizer's chat template: ``mode`` is ``--chat_template``
+    (``"auto"``: when the tokenizer has one; ``"always"``: refuse a tokenizer without one; ``"never"``)."""
     if mode not in CHAT_TEMPLATE_MODES:
         raise DataError(f"chat_template={mode!r} is invalid; allowed: {CHAT_TEMPLATE_MODES}.")
     has = getattr(tokenizer, "chat_template", None) is not None
@@ -315,7 +317,7 @@ def tokenize_datasets(
         raise DataError(f"overlength={overlength!r} is invalid; allowed: {OVERLENGTH_POLICIES}.")
     columns = raw_datasets["train"].column_names
     fmt = detect_format(columns, data_format, text_column, prompt_column, completion_column, messages_column)
-    chat = _use_chat_template(tokenizer, chat_template)
+    chat = use_chat_template(tokenizer, chat_template)
     if fmt == "messages" and not chat:
         raise DataError(
             f"The data has a '{messages_column}' column (chat format) but the tokenizer has no chat template "

@@ -1,11 +1,17 @@
-"""Evaluation: token accuracy and perplexity from the eval loop, exact match of greedy generations."""
+"""Evaluation: token accuracy and perplexity from the eval loop, exact match of greedy generations.
+
+The three metrics are plain NumPy functions (:func:`accuracy`, :func:`perplexity`, :func:`exact_match`); the
+``Trainer`` calls :func:`compute_metrics`, and :func:`generation_exact_match` scores greedy generations.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,27 +33,68 @@ def preprocess_logits_for_metrics(logits: torch.Tensor, labels: torch.Tensor):
     return predictions, nll
 
 
+def accuracy(predictions: Sequence, references: Sequence) -> float:
+    """The fraction of predictions equal to their references; 0.0 when there are none.
+
+    Example:
+        ```py
+        >>> from hf_lisa.train.evaluation import accuracy
+        >>> accuracy([0, 1, 1, 0], [0, 1, 0, 0])
+        0.75
+        ```
+    """
+    predictions, references = np.asarray(predictions), np.asarray(references)
+    if predictions.shape != references.shape:
+        raise ValueError(f"got {predictions.shape} predictions but {references.shape} references; they must match.")
+    return float(np.mean(predictions == references)) if predictions.size else 0.0
+
+
+def perplexity(token_nll: Sequence[float]) -> float:
+    """``exp`` of the mean negative log-likelihood (natural log) of the scored tokens: every token weighs the same.
+
+    Example:
+        ```py
+        >>> import math
+        >>> from hf_lisa.train.evaluation import perplexity
+        >>> round(perplexity([math.log(4), math.log(4)]), 6)
+        4.0
+        ```
+    """
+    token_nll = np.asarray(token_nll, dtype=np.float64)
+    if not token_nll.size:
+        raise ValueError("perplexity needs at least one scored token; got none (every label is -100).")
+    return math.exp(min(float(token_nll.mean()), 700.0))  # exp(700) is near the float64 limit
+
+
+def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
+    """The fraction of predicted strings equal to their reference, ignoring surrounding whitespace; 0.0 for none.
+
+    Example:
+        ```py
+        >>> from hf_lisa.train.evaluation import exact_match
+        >>> exact_match(["12", " 7"], ["12", "8"])
+        0.5
+        ```
+    """
+    if len(predictions) != len(references):
+        raise ValueError(f"got {len(predictions)} predictions but {len(references)} references; they must match.")
+    if not predictions:
+        return 0.0
+    return sum(_answer_text(p) == _answer_text(r) for p, r in zip(predictions, references)) / len(predictions)
+
+
+def _answer_text(text: Optional[str]) -> str:
+    return "" if text is None else str(text).strip()
+
+
 def compute_metrics(eval_pred) -> dict[str, float]:
-    """Next-token accuracy on the label tokens and token-weighted perplexity, through the shipped metric modules."""
-    import numpy as np
-
-    from .. import metrics as shipped
-
+    """Next-token accuracy on the label tokens and token-weighted perplexity, from the reduced eval-loop outputs."""
     predictions, nll = eval_pred.predictions
     labels = eval_pred.label_ids[:, 1:]
     width = min(labels.shape[1], predictions.shape[1])
     labels, predictions, nll = labels[:, :width], predictions[:, :width], nll[:, :width]
     mask = labels != -100
-    accuracy = shipped.load("accuracy").compute(
-        predictions=predictions[mask].astype(np.int64).tolist(), references=labels[mask].astype(np.int64).tolist()
-    )["accuracy"]
-    per_row_nll = np.where(mask, nll, 0.0).sum(axis=1)
-    per_row_tokens = mask.sum(axis=1)
-    keep = per_row_tokens > 0
-    ppl = shipped.load("perplexity").compute(
-        nll_sum=per_row_nll[keep].astype(float).tolist(), num_tokens=per_row_tokens[keep].astype(int).tolist()
-    )
-    return {"token_accuracy": float(accuracy), "perplexity": float(ppl["perplexity"])}
+    return {"token_accuracy": accuracy(predictions[mask], labels[mask]), "perplexity": perplexity(nll[mask])}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -95,13 +142,11 @@ def generation_exact_match(
     answer_pattern: Optional[str] = None,
     lenient: bool = True,
 ) -> tuple[float, list[dict]]:
-    """Greedy-decode every prompt and score the extracted answers with the shipped ``exact_match`` metric.
+    """Greedy-decode every prompt and score the extracted answers with :func:`exact_match`.
 
     Returns:
         ``(exact match in [0, 1], [{"prompt", "generation", "prediction", "reference"}, ...])``.
     """
-    from .. import metrics as shipped
-
     was_training = model.training
     model.eval()
     padding_side = tokenizer.padding_side
@@ -141,10 +186,8 @@ def generation_exact_match(
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)
-    score = shipped.load("exact_match").compute(
-        predictions=[s["prediction"] for s in samples], references=[s["reference"] for s in samples]
-    )["exact_match"]
-    return float(score), samples
+    score = exact_match([s["prediction"] for s in samples], [s["reference"] for s in samples])
+    return score, samples
 
 
 def _metrics_line(metrics: dict, suffix: str) -> str:

@@ -1,14 +1,19 @@
-"""Load the model and wrap it for the chosen ``--method`` (lisa, lisa-adapter, lora, dora, full)."""
+"""Load the model and wrap it for the chosen ``--method`` (lisa, lisa-adapter, lora, dora, full), and the table of
+which option each method uses (:data:`OPTION_METHODS`), from which options a method does not use are refused.
+
+A new method: add it to ``METHODS`` (``arguments.py``), to the methods of the options it uses in
+:data:`OPTION_METHODS`, and a branch to :func:`apply_method`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from .arguments import ADAPTER_METHODS, LisaArguments, ModelArguments, _json_pattern
+from .arguments import ADAPTER_METHODS, LISA_CONFIG_OPTIONS, METHODS, LisaArguments, ModelArguments, lisa_config_kwargs
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -50,66 +55,127 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
     return model, tokenizer
 
 
-def lisa_knobs(lisa_args: LisaArguments) -> dict:
-    """The method's knobs as recorded in ``training_summary.json`` (``lisa`` key)."""
-    knobs: dict[str, Any] = {}
-    if lisa_args.method in ("lisa", "lisa-adapter"):
-        knobs.update(
-            activated_layers=lisa_args.lisa_activated_layers,
-            interval_steps=lisa_args.lisa_interval_steps,
-            sampling=lisa_args.lisa_sampling,
-            layers_attribute=lisa_args.lisa_layers_attribute,
-            optimizer_state_policy=lisa_args.lisa_optimizer_state_policy,
-        )
-    if lisa_args.method == "lisa":
-        knobs["always_trainable"] = _always_trainable(lisa_args)
-    if lisa_args.method in ADAPTER_METHODS:
-        knobs.update(
-            r=lisa_args.r, lisa_alpha=lisa_args.lisa_alpha, lisa_dropout=lisa_args.lisa_dropout,
-            target_modules=lisa_args.target_modules,
-            rank_pattern=_json_pattern(lisa_args.rank_pattern, "rank_pattern"),
-            alpha_pattern=_json_pattern(lisa_args.alpha_pattern, "alpha_pattern"),
-        )
-    if lisa_args.method == "lisa-adapter":
-        knobs.update(
-            sparsity=lisa_args.sparsity, sparsity_structure=lisa_args.sparsity_structure,
-            block_size=lisa_args.block_size, n_m=lisa_args.n_m, mask_init=lisa_args.mask_init,
-            mask_update_interval=lisa_args.mask_update_interval, importance_steps=lisa_args.importance_steps,
-            sparsity_pattern=_json_pattern(lisa_args.sparsity_pattern, "sparsity_pattern"),
-            layer_interpolation=lisa_args.layer_interpolation, interpolation_beta_l2=lisa_args.interpolation_beta_l2,
-        )
-    knobs["layerwise_lr_decay"] = lisa_args.layerwise_lr_decay
-    return knobs
+# ----------------------------------------------------------------------------------------------------------------------
+# Which option applies to which method: the one table, and the one cross-check made from it
+# ----------------------------------------------------------------------------------------------------------------------
+#: LisaConfig settings that PEFT's LoraConfig has too, and their names there: what --method lora / dora use
+LORA_CONFIG_NAMES = {
+    "r": "r",
+    "lisa_alpha": "lora_alpha",
+    "lisa_dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "exclude_modules": "exclude_modules",
+    "layers_to_transform": "layers_to_transform",
+    "layers_pattern": "layers_pattern",
+    "modules_to_save": "modules_to_save",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+}
+_LAYERWISE = ("lisa", "lisa-adapter")
+
+#: option -> the methods that use it. An option is *given* when its value differs from its default, whether it comes
+#: from the command line, a config file or Python; a given option that the method does not use is refused.
+OPTION_METHODS: dict[str, tuple[str, ...]] = {
+    # every LisaConfig setting configures a LISA adapter; the ones LoraConfig shares configure LoRA and DoRA too
+    **{
+        name: ADAPTER_METHODS if name in LORA_CONFIG_NAMES else ("lisa-adapter",)
+        for name in LISA_CONFIG_OPTIONS
+    },
+    # the layer schedule: both LISA forms (full-parameter LISA runs it through LisaCallback)
+    "lisa_activated_layers": _LAYERWISE,
+    "lisa_interval_steps": _LAYERWISE,
+    "lisa_sampling": _LAYERWISE,
+    "lisa_optimizer_state_policy": _LAYERWISE,
+    "lisa_always_trainable": ("lisa",),
+    # every method finds the block list: monitoring and layer-wise LR decay use it too
+    "lisa_layers_attribute": METHODS,
+    **dict.fromkeys(
+        ("layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
+         "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "push_mode"),
+        METHODS,
+    ),
+}
+
+
+def given_options(lisa_args) -> dict[str, Any]:
+    """The options of ``lisa_args`` (``method`` aside) whose value differs from their default."""
+    given = {}
+    for f in dataclasses.fields(lisa_args):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(lisa_args, f.name)
+        if f.name != "method" and value != default:
+            given[f.name] = value
+    return given
+
+
+def check_method_options(lisa_args) -> None:
+    """Refuse the given options that ``lisa_args.method`` does not use, naming them, the method and what it uses."""
+    method = lisa_args.method
+    refused = {name: value for name, value in given_options(lisa_args).items() if method not in OPTION_METHODS[name]}
+    if not refused:
+        return
+    listed = ", ".join(f"--{name}={value!r} (used by {', '.join(OPTION_METHODS[name])})" for name, value in
+                       refused.items())
+    own = [f"--{name}" for name, methods in OPTION_METHODS.items() if method in methods and methods != METHODS]
+    uses = f"its own options are {', '.join(own)}" if own else "it has no options of its own"
+    raise ValueError(
+        f"--method {method} does not use {listed}; {uses}, besides those every method takes. Remove the option(s), "
+        "or choose a method that uses them."
+    )
+
+
+
+#: the summary's names of the schedule settings (``training_summary.json`` and the model card read these)
+_SUMMARY_NAMES = {
+    "lisa_activated_layers": "activated_layers",
+    "lisa_interval_steps": "interval_steps",
+    "lisa_sampling": "sampling",
+    "lisa_layers_attribute": "layers_attribute",
+    "lisa_optimizer_state_policy": "optimizer_state_policy",
+    "lisa_always_trainable": "always_trainable",
+}
 
 
 def _always_trainable(lisa_args: LisaArguments) -> list[str]:
-    values = [v for v in (lisa_args.lisa_always_trainable or []) if v.lower() != "none"]
-    return values
+    return [v for v in (lisa_args.lisa_always_trainable or []) if v.lower() != "none"]
 
 
-def _target_modules(lisa_args: LisaArguments):
-    tm = lisa_args.target_modules
-    if tm and len(tm) == 1 and tm[0] == "all-linear":
-        return "all-linear"
-    return tm
+def lisa_knobs(lisa_args: LisaArguments) -> dict:
+    """The settings the method used, as recorded in ``training_summary.json`` (``lisa`` key)."""
+    settings = {
+        **lisa_config_kwargs(lisa_args),
+        "lisa_always_trainable": _always_trainable(lisa_args),
+        "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy,
+        "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
+    }
+    return {
+        _SUMMARY_NAMES.get(name, name): value
+        for name, value in settings.items()
+        if lisa_args.method in OPTION_METHODS[name]
+    }
 
 
 def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
-    """Wrap ``model`` for ``lisa_args.method`` and return ``(model, scheduling callbacks)``."""
+    """Wrap ``model`` for ``lisa_args.method`` and return ``(model, scheduling callbacks)``.
+
+    The LISA settings go in whole: to a ``LisaConfig`` for ``lisa-adapter``, the layer schedule to ``LisaCallback``
+    for full-parameter ``lisa``, and the ones ``LoraConfig`` shares (:data:`LORA_CONFIG_NAMES`) to LoRA / DoRA.
+    """
     method = lisa_args.method
+    settings = lisa_config_kwargs(lisa_args)
     if method == "full":
         return model, []
     if method == "lisa":
         from hf_lisa.trainer_callbacks import LisaCallback
 
         callback = LisaCallback(
-            activated_layers=lisa_args.lisa_activated_layers,
-            interval_steps=lisa_args.lisa_interval_steps,
-            sampling=lisa_args.lisa_sampling,
+            activated_layers=settings["lisa_activated_layers"],
+            interval_steps=settings["lisa_interval_steps"],
+            sampling=settings["lisa_sampling"],
             seed=seed,
             always_trainable=tuple(_always_trainable(lisa_args)),
             optimizer_state_policy=lisa_args.lisa_optimizer_state_policy,
-            layers_attribute=lisa_args.lisa_layers_attribute,
+            layers_attribute=settings["lisa_layers_attribute"],
         )
         return model, [callback]
 
@@ -120,45 +186,11 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
 
         from ..tuner.config import LisaConfig
 
-        config = LisaConfig(
-            task_type="CAUSAL_LM",
-            r=lisa_args.r,
-            lisa_alpha=lisa_args.lisa_alpha,
-            lisa_dropout=lisa_args.lisa_dropout,
-            target_modules=_target_modules(lisa_args),
-            sparsity=lisa_args.sparsity,
-            sparsity_structure=lisa_args.sparsity_structure,
-            block_size=lisa_args.block_size,
-            n_m=lisa_args.n_m,
-            mask_init=lisa_args.mask_init,
-            mask_update_interval=lisa_args.mask_update_interval,
-            importance_steps=lisa_args.importance_steps,
-            new_block_bonus=lisa_args.new_block_bonus,
-            mask_keep_learned=lisa_args.mask_keep_learned,
-            layer_interpolation=lisa_args.layer_interpolation,
-            interpolation_beta_l2=lisa_args.interpolation_beta_l2,
-            lisa_activated_layers=lisa_args.lisa_activated_layers,
-            lisa_interval_steps=lisa_args.lisa_interval_steps,
-            lisa_sampling=lisa_args.lisa_sampling,
-            lisa_layers_attribute=lisa_args.lisa_layers_attribute,
-            rank_pattern=_json_pattern(lisa_args.rank_pattern, "rank_pattern"),
-            alpha_pattern=_json_pattern(lisa_args.alpha_pattern, "alpha_pattern"),
-            sparsity_pattern=_json_pattern(lisa_args.sparsity_pattern, "sparsity_pattern"),
-        )
-        peft_model = get_peft_model(model, config)
+        peft_model = get_peft_model(model, LisaConfig(task_type="CAUSAL_LM", **settings))
         callback = LisaAdapterCallback(seed=seed, optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
         return peft_model, [callback]
 
     from peft import LoraConfig
 
-    config = LoraConfig(
-        task_type="CAUSAL_LM",
-        r=lisa_args.r,
-        lora_alpha=lisa_args.lisa_alpha,
-        lora_dropout=lisa_args.lisa_dropout,
-        target_modules=_target_modules(lisa_args),
-        use_dora=method == "dora",
-        rank_pattern=_json_pattern(lisa_args.rank_pattern, "rank_pattern"),
-        alpha_pattern=_json_pattern(lisa_args.alpha_pattern, "alpha_pattern"),
-    )
-    return get_peft_model(model, config), []
+    lora = {LORA_CONFIG_NAMES[name]: value for name, value in settings.items() if name in LORA_CONFIG_NAMES}
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", use_dora=method == "dora", **lora)), []

@@ -1,20 +1,22 @@
-"""What a run leaves behind: the trainable-parameter summary, the loss plot, the final model, the summary and the model card."""
+"""What a run leaves behind: the start-of-training line, the loss plot, the final model, its summary and model card."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import time
+from dataclasses import asdict
 from typing import Optional
 
 from torch import nn
 
-from .arguments import ADAPTER_METHODS
+from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
 
 logger = logging.getLogger("hf_lisa.train")
 
-
-TRAINING_SUMMARY_NAME = "training_summary.json"
+__all__ = ["LOSS_PLOT_NAME", "TRAINING_SUMMARY_NAME", "build_training_summary", "plot_losses", "save_final_model",
+           "trainable_summary", "write_model_card"]
 
 
 LOSS_PLOT_NAME = "loss.png"
@@ -37,10 +39,13 @@ def _fmt_count(n: int) -> str:
 
 
 def trainable_summary(model: nn.Module, layers_attribute: Optional[str] = None) -> dict:
-    """Trainable parameters by group (embeddings / blocks / other) and the active blocks, from ``requires_grad``."""
-    from ..scheduler.param_groups import EMBEDDINGS_GROUP, assign_param_groups
+    """Trainable parameters by group (embeddings / blocks / other) and the active blocks, from ``requires_grad``.
 
-    assignment, num_blocks = assign_param_groups(model, layers_attribute)
+    The groups are those of the model's :class:`~hf_lisa.scheduler.active_set.BlockIndex`, as for LLRD and the monitor.
+    """
+    from ..scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
+
+    index = BlockIndex.of(model, layers_attribute)
     counts = {"embeddings": 0, "blocks": 0, "other": 0}
     active: set[int] = set()
     total = 0
@@ -52,11 +57,11 @@ def trainable_summary(model: nn.Module, layers_attribute: Optional[str] = None) 
         total += param.numel()
         if not param.requires_grad:
             continue
-        group = assignment[name]
-        if group.startswith("block."):
+        block = index.block_of(name)
+        if block is not None:
             counts["blocks"] += param.numel()
-            active.add(int(group.split(".", 1)[1]))
-        elif group == EMBEDDINGS_GROUP:
+            active.add(block)
+        elif index.groups[name] == EMBEDDINGS_GROUP:
             counts["embeddings"] += param.numel()
         else:
             counts["other"] += param.numel()
@@ -65,7 +70,7 @@ def trainable_summary(model: nn.Module, layers_attribute: Optional[str] = None) 
         "trainable_params": sum(counts.values()),
         "trainable_by_group": counts,
         "active_blocks": sorted(active),
-        "num_blocks": num_blocks,
+        "num_blocks": index.num_blocks,
     }
 
 
@@ -130,18 +135,6 @@ def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[f
     return path
 
 
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "value"):  # enums
-        return value.value
-    return str(value)
-
-
 def save_final_model(trainer, model: nn.Module, tokenizer, output_dir: str, method: str) -> None:
     """Adapters as ``adapter_config.json`` + ``adapter_model.safetensors``; full weights as safetensors. No pickle."""
     # gather on every rank (FSDP/DeepSpeed shards), write on the main process only
@@ -160,12 +153,78 @@ def save_final_model(trainer, model: nn.Module, tokenizer, output_dir: str, meth
             os.remove(os.path.join(output_dir, name))
 
 
-def _write_model_card(output_dir: str, summary: dict, method: str) -> Optional[str]:
-    try:
-        from ..hub import render_model_card
-    except ImportError:  # the Hub module is optional for training
-        return None
-    mode = "adapter" if method in ADAPTER_METHODS else "merged"
+def _license_for(base_model_id: str) -> Optional[str]:
+    from ..models import DEFAULT_MODEL_ID, DEFAULT_MODEL_LICENSE
+
+    return DEFAULT_MODEL_LICENSE if base_model_id == DEFAULT_MODEL_ID else None
+
+
+def build_training_summary(model_args, data_args, lisa_args, training_args, *, base_model_id: str, lisa: dict,
+                           metrics: dict[str, float], global_step: int, data_report, bundled: bool, trainable: dict,
+                           started: float) -> TrainingSummary:
+    """The run's [`~hf_lisa.hub.TrainingSummary`], built once: saved as ``training_summary.json``, rendered into the
+    model card and handed to the push as it is.
+
+    Args:
+        model_args, data_args, lisa_args, training_args: the run's parsed arguments.
+        base_model_id: Hub id of the base model (or the local path it was loaded from).
+        lisa: the method's knobs, for the card's training table.
+        metrics: final metrics (``*_before`` for the evaluation before training).
+        global_step: optimizer steps taken.
+        data_report: the tokenisation report (``data_format``, ``kept``, ``skipped``).
+        bundled: whether the run used the bundled arithmetic task.
+        trainable: the trainable-parameter counts of the start-of-training line.
+        started: ``time.time()`` when the run started.
+    """
+    return TrainingSummary(
+        base_model=base_model_id,
+        method=lisa_args.method,
+        lisa=lisa,
+        hyperparameters=jsonable({
+            "learning_rate": training_args.learning_rate,
+            "max_steps": global_step,
+            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "world_size": training_args.world_size,
+            "max_seq_length": data_args.max_seq_length,
+            "warmup_steps": training_args.warmup_steps,
+            "lr_scheduler_type": training_args.lr_scheduler_type,
+            "weight_decay": training_args.weight_decay,
+            "max_grad_norm": training_args.max_grad_norm,
+            "optim": training_args.optim,
+            "bf16": training_args.bf16,
+            "gradient_checkpointing": bool(training_args.gradient_checkpointing),
+            "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
+            "seed": training_args.seed,
+        }),
+        metrics=dict(metrics),
+        datasets=[data_args.dataset_name] if data_args.dataset_name else [],
+        # the bundled task has no Hub id: leave it out of the card metadata rather than invent one
+        dataset_name=data_args.dataset_name,
+        data={
+            "source": "hf-lisa bundled arithmetic task (hf_lisa.demo_task)" if bundled else (
+                data_args.dataset_name or data_args.train_file),
+            "format": data_report.data_format,
+            "train_file": data_args.train_file,
+            "validation_file": data_args.validation_file,
+            "rows_kept": data_report.kept,
+            "rows_skipped": data_report.skipped,
+        },
+        license=_license_for(base_model_id),
+        trainable=trainable,
+        runtime_seconds=round(time.time() - started, 1),
+        output_dir=training_args.output_dir,
+        arguments=jsonable({"model": asdict(model_args), "data": asdict(data_args), "lisa": asdict(lisa_args)}),
+    )
+
+
+def write_model_card(output_dir: str, summary: TrainingSummary, mode: str, repo_id: Optional[str] = None):
+    """Render the model card once from ``summary`` and save it as ``README.md``; ``None`` when rendering failed.
+
+    ``repo_id`` is the repo the run pushes to, if any: the card's loading snippet names it, and the push uploads this
+    very card. The adapter or model config is read from the model the run just saved to ``output_dir``.
+    """
+    from ..hub import render_model_card
 
     def read(name):
         path = os.path.join(output_dir, name)
@@ -176,18 +235,11 @@ def _write_model_card(output_dir: str, summary: dict, method: str) -> Optional[s
 
     try:
         card = render_model_card(
-            None, mode, base_model=summary.get("base_model"), adapter_config=read("adapter_config.json"),
-            model_config=read("config.json"), summary=summary, loss_plot=summary.get("loss_plot"),
+            repo_id, mode, base_model=summary.base_model, adapter_config=read("adapter_config.json"),
+            model_config=read("config.json"), summary=summary, loss_plot=summary.loss_plot,
         )
     except Exception as err:  # a card is a convenience; never lose a finished training run over it
         logger.warning("Could not render the model card: %s", err)
         return None
-    path = os.path.join(output_dir, "README.md")
-    card.save(path)
-    return path
-
-
-def _license_for(base_model_id: str) -> Optional[str]:
-    from ..models import DEFAULT_MODEL_ID, DEFAULT_MODEL_LICENSE
-
-    return DEFAULT_MODEL_LICENSE if base_model_id == DEFAULT_MODEL_ID else None
+    card.save(os.path.join(output_dir, "README.md"))
+    return card

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
-from dataclasses import asdict
 from typing import Optional, Sequence
 
 import torch
@@ -25,14 +23,13 @@ from .outputs import (
     LOSS_PLOT_NAME,
     SUMMARY_PREFIX,
     TRAINING_SUMMARY_NAME,
-    _jsonable,
-    _license_for,
     _summary_callback,
-    _write_model_card,
+    build_training_summary,
     plot_losses,
     save_final_model,
+    write_model_card,
 )
-from .trainer import _trainer_class
+from .trainer import LisaTrainer
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -121,7 +118,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             messages_column=data_args.messages_column, num_proc=data_args.preprocessing_num_workers,
             load_from_cache_file=not data_args.overwrite_cache,
         )
-    chat = data_lib._use_chat_template(tokenizer, data_args.chat_template)
+    chat = data_lib.use_chat_template(tokenizer, data_args.chat_template)
     if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
@@ -138,7 +135,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
                                                           lisa_args.lisa_layers_attribute, start_info)]
     eval_dataset = tokenized.get("validation")
-    trainer = _trainer_class()(
+    trainer = LisaTrainer(
         model=model,
         args=training_args,
         train_dataset=tokenized["train"],
@@ -199,51 +196,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     # -- outputs -------------------------------------------------------------------------------------------------------
     output_dir = training_args.output_dir
     save_final_model(trainer, trainer.model, tokenizer, output_dir, lisa_args.method)
-    summary = {
-        "base_model": base_model_id,
-        "method": lisa_args.method,
-        "lisa": lisa_knobs(lisa_args),
-        "hyperparameters": {
-            "learning_rate": training_args.learning_rate,
-            "max_steps": trainer.state.global_step,
-            "per_device_train_batch_size": training_args.per_device_train_batch_size,
-            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
-            "world_size": training_args.world_size,
-            "max_seq_length": data_args.max_seq_length,
-            "warmup_steps": training_args.warmup_steps,
-            "lr_scheduler_type": _jsonable(training_args.lr_scheduler_type),
-            "weight_decay": training_args.weight_decay,
-            "max_grad_norm": training_args.max_grad_norm,
-            "optim": _jsonable(training_args.optim),
-            "bf16": training_args.bf16,
-            "gradient_checkpointing": bool(training_args.gradient_checkpointing),
-            "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
-            "seed": training_args.seed,
-        },
-        "metrics": metrics,
-        "datasets": [data_args.dataset_name] if data_args.dataset_name else [],
-        # the bundled task has no Hub id: leave it out of the card metadata rather than invent one
-        "dataset_name": data_args.dataset_name,
-        "data": {
-            "source": "hf-lisa bundled arithmetic task (hf_lisa.demo_task)" if bundled else (
-                data_args.dataset_name or data_args.train_file),
-            "format": report.data_format,
-            "train_file": data_args.train_file,
-            "validation_file": data_args.validation_file,
-            "rows_kept": report.kept,
-            "rows_skipped": report.skipped,
-        },
-        "loss_plot": None,
-        "license": _license_for(base_model_id),
-        "trainable": start_info,
-        "runtime_seconds": round(time.time() - started, 1),
-        "output_dir": output_dir,
-        "arguments": {
-            "model": _jsonable(asdict(model_args)),
-            "data": _jsonable(asdict(data_args)),
-            "lisa": _jsonable(asdict(lisa_args)),
-        },
-    }
+    summary = build_training_summary(
+        model_args, data_args, lisa_args, training_args, base_model_id=base_model_id, lisa=lisa_knobs(lisa_args),
+        metrics=metrics, global_step=trainer.state.global_step, data_report=report, bundled=bundled,
+        trainable=start_info, started=started,
+    )
+    pushed_to = None
     if trainer.is_world_process_zero():
         plot = plot_losses(
             trainer.state.log_history, os.path.join(output_dir, LOSS_PLOT_NAME),
@@ -251,24 +209,30 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             final_step=trainer.state.global_step,
             title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
         )
-        summary["loss_plot"] = LOSS_PLOT_NAME if plot else None
-        with open(os.path.join(output_dir, TRAINING_SUMMARY_NAME), "w") as f:
-            json.dump(_jsonable(summary), f, indent=2)
-        _write_model_card(output_dir, summary, lisa_args.method)
-        kind = "adapter" if lisa_args.method in ADAPTER_METHODS else "full weights"
+        summary.loss_plot = LOSS_PLOT_NAME if plot else None
+        summary.save(output_dir)
+        saved_mode = "adapter" if lisa_args.method in ADAPTER_METHODS else "merged"
+        push_mode = lisa_args.push_mode or saved_mode
+        # the card is rendered once, for the repo the run pushes to; the push uploads it when it keeps the saved form
+        card = write_model_card(output_dir, summary, saved_mode, repo_id=push_repo)
+        kind = "adapter" if saved_mode == "adapter" else "full weights"
         extra = f", {LOSS_PLOT_NAME}" if plot else ""
         print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "
-              f"{summary['runtime_seconds']:.0f} s", flush=True)
+              f"{summary.runtime_seconds:.0f} s", flush=True)
         if push_repo:
             from ..hub import push_to_hub
 
-            mode = lisa_args.push_mode or ("adapter" if lisa_args.method in ADAPTER_METHODS else "merged")
-            info = push_to_hub(output_dir, push_repo, mode=mode, private=training_args.hub_private_repo,
-                               token=training_args.hub_token, base_model=base_model_id if "/" in base_model_id
-                               and not os.path.exists(base_model_id) else None)
-            summary["pushed_to"] = str(info)
-            print(f"[{SUMMARY_PREFIX}] pushed {mode} to {push_repo}: {info}", flush=True)
-    return summary
+            pushed_to = str(push_to_hub(
+                output_dir, push_repo, mode=push_mode, private=training_args.hub_private_repo,
+                token=training_args.hub_token, training_summary=summary,
+                card=card if push_mode == saved_mode else None,
+                base_model=base_model_id if "/" in base_model_id and not os.path.exists(base_model_id) else None,
+            ))
+            print(f"[{SUMMARY_PREFIX}] pushed {push_mode} to {push_repo}: {pushed_to}", flush=True)
+    result = summary.to_dict()  # training_summary.json's keys, and where the push went
+    if pushed_to:
+        result["pushed_to"] = pushed_to
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 from peft.config import PeftConfig
 
@@ -12,12 +13,48 @@ from .peft_type import PEFT_TYPE_LISA
 
 MASK_INITS = ("importance", "magnitude", "random", "dense")
 LAYER_SAMPLING_STRATEGIES = ("uniform", "importance", "cyclic")
+#: what happens to the optimizer state of blocks that leave the active set (see hf_lisa.scheduler.optim_state)
+OPTIMIZER_STATE_POLICIES = ("drop", "keep")
 
 
-def _pair(value, field_name: str) -> tuple[int, int]:
+# ----------------------------------------------------------------------------------------------------------------------
+# The value rules of LISA's settings: checked here and nowhere else
+# ----------------------------------------------------------------------------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+#: setting -> (test, what is allowed) for the rules that look at one value alone
+_VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "r": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "lisa_alpha": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "lisa_dropout": (lambda v: _is_number(v) and 0.0 <= v < 1.0, "a float in [0, 1)"),
+    "sparsity": (lambda v: _is_number(v) and 0.0 <= v < 1.0, "a float in [0, 1)"),
+    "sparsity_structure": (lambda v: v in SPARSITY_STRUCTURES, f"one of {SPARSITY_STRUCTURES}"),
+    "mask_init": (lambda v: v in MASK_INITS, f"one of {MASK_INITS}"),
+    "mask_update_interval": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 never re-selects)"),
+    "importance_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "mask_keep_learned": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "new_block_bonus": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "interpolation_delta_bound": (lambda v: _is_number(v) and v > 0, "a float > 0"),
+    "interpolation_beta_l2": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
+    "lisa_interval_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "lisa_sampling": (lambda v: v in LAYER_SAMPLING_STRATEGIES, f"one of {LAYER_SAMPLING_STRATEGIES}"),
+    "lisa_optimizer_state_policy": (lambda v: v in OPTIMIZER_STATE_POLICIES, f"one of {OPTIMIZER_STATE_POLICIES}"),
+}
+#: per-module pattern -> the setting whose rule its values follow (as in ``LisaConfig.resolve``)
+_PATTERN_OF = {"rank_pattern": "r", "alpha_pattern": "lisa_alpha", "sparsity_pattern": "sparsity"}
+_SYMBOLS = {"lisa_activated_layers": "γ", "lisa_interval_steps": "K"}
+
+
+def _pair(value, label: str) -> tuple[int, int]:
     """Accept ``2``, ``(2, 2)``, ``[2, 2]``, ``"2x2"`` or ``"2:4"`` and return a pair of positive ints."""
     try:
-        if isinstance(value, int):
+        if _is_int(value):
             pair = (value, value)
         elif isinstance(value, str):
             sep = ":" if ":" in value else "x"
@@ -27,10 +64,91 @@ def _pair(value, field_name: str) -> tuple[int, int]:
     except (TypeError, ValueError):
         pair = ()
     if len(pair) != 2 or min(pair) < 1:
-        raise ValueError(
-            f"LisaConfig.{field_name}={value!r} is invalid; allowed: two positive integers, e.g. (2, 2) or '2x2'."
-        )
+        raise ValueError(f"{label}={value!r} is invalid; allowed: two positive integers, e.g. (2, 2) or '2x2'.")
     return pair
+
+
+def check_lisa_settings(
+    values: Mapping[str, Any],
+    *,
+    where: str = "LisaConfig.",
+    arguments: Optional[Mapping[str, str]] = None,
+    allow_every_block: bool = True,
+    num_blocks: Optional[int] = None,
+) -> None:
+    """Check LISA's settings against their value rules; the one place these rules live.
+
+    ``LisaConfig`` checks all its fields here; ``hf-lisa train``, the LISA Trainer callbacks and the layer sampler
+    check the settings they take, by the same names, instead of restating a rule. A rule that involves several
+    settings (``n:m`` sparsity against ``n_m``, ``mask_update_interval`` against ``importance_steps``) applies when
+    all of them are in ``values``; names without a rule are ignored.
+
+    Args:
+        values: settings by their ``LisaConfig`` field name, e.g. ``{"lisa_activated_layers": 2}``.
+        where: prefix of the name in the message: ``"LisaConfig."``, ``"--"`` for command-line options, ``"LisaCallback
+            "`` for a constructor.
+        arguments: the caller's own argument name of a setting, named beside it, e.g.
+            ``{"lisa_activated_layers": "num_active"}``.
+        allow_every_block: whether γ = 0 (every block trains: the adapter form without sampling) is allowed; the
+            full-parameter form and a sampler need γ >= 1.
+        num_blocks: N, the number of transformer blocks, where they are known: γ must be at most N.
+
+    Raises:
+        ValueError: naming the setting, its value and what is allowed.
+    """
+    arguments = arguments or {}
+
+    def label(name: str, key: str = "") -> str:
+        shown = f"{arguments[name]}: {name}" if name in arguments else name
+        symbol = f" ({_SYMBOLS[name]})" if name in _SYMBOLS else ""
+        return f"{where}{shown}{key}{symbol}"
+
+    def need(ok: bool, name: str, value, allowed: str, key: str = "", problem: str = "is invalid") -> None:
+        if not ok:
+            raise ValueError(f"{label(name, key)}={value!r} {problem}; allowed: {allowed}.")
+
+    for name, (test, allowed) in _VALUE_RULES.items():
+        if name in values:
+            need(test(values[name]), name, values[name], allowed)
+    for pattern, setting in _PATTERN_OF.items():
+        test, allowed = _VALUE_RULES[setting]
+        for key, value in (values.get(pattern) or {}).items():
+            need(test(value), pattern, value, allowed, key=f"[{key!r}]")
+    if "block_size" in values:
+        _pair(values["block_size"], label("block_size"))
+    if "n_m" in values:
+        n, m = _pair(values["n_m"], label("n_m"))
+        need(n < m, "n_m", values["n_m"], "n < m, e.g. (2, 4)")
+        if values.get("sparsity_structure") == "n:m":
+            allowed = f"0 or 1 - n/m = {1 - n / m:g} with sparsity_structure='n:m' and n_m={n}:{m}"
+            need(values.get("sparsity", 0) == 0 or abs(values["sparsity"] - (1 - n / m)) < 1e-9, "sparsity",
+                 values.get("sparsity"), allowed)
+            for key, value in (values.get("sparsity_pattern") or {}).items():
+                need(value == 0 or abs(value - (1 - n / m)) < 1e-9, "sparsity_pattern", value, allowed,
+                     key=f"[{key!r}]")
+    interval, window = values.get("mask_update_interval"), values.get("importance_steps")
+    if interval and window is not None:
+        need(interval >= window, "mask_update_interval", interval,
+             f"mask_update_interval >= importance_steps ({window}), or 0",
+             problem=f"is shorter than the importance window importance_steps={window}")
+    if "lisa_activated_layers" in values:
+        gamma, low = values["lisa_activated_layers"], 0 if allow_every_block else 1
+        if num_blocks is not None:
+            allowed = f"an integer in [{low}, {num_blocks}]" + (" (0 trains every block)" if low == 0 else "")
+        elif low == 0:
+            allowed = "an integer >= 0 (0 trains every block)"
+        else:
+            allowed = "an integer >= 1; to train every block, use plain fine-tuning (--method full)"
+        need(_is_int(gamma) and gamma >= low, "lisa_activated_layers", gamma, allowed)
+        if num_blocks is not None:
+            need(gamma <= num_blocks, "lisa_activated_layers", gamma, allowed,
+                 problem=f"is larger than the number of transformer blocks ({num_blocks})")
+
+
+def lisa_config_fields() -> list[dataclasses.Field]:
+    """The fields ``LisaConfig`` declares itself (PEFT's generic ``PeftConfig`` fields left out), in order."""
+    inherited = {f.name for f in dataclasses.fields(PeftConfig)}
+    return [f for f in dataclasses.fields(LisaConfig) if f.name not in inherited]
 
 
 @dataclass
@@ -95,7 +213,9 @@ class LisaConfig(PeftConfig):
     """
 
     r: int = field(default=8, metadata={"help": "Rank of the low-rank factors B (out×r) and A (r×in)."})
-    lisa_alpha: int = field(default=8, metadata={"help": "Scaling numerator: the delta is scaled by lisa_alpha / r."})
+    lisa_alpha: int = field(
+        default=8, metadata={"help": "Scaling numerator: the delta is scaled by lisa_alpha / r (LoRA's lora_alpha)."}
+    )
     lisa_dropout: float = field(default=0.0, metadata={"help": "Dropout probability on the adapter's input."})
     target_modules: Optional[Union[list[str], str]] = field(
         default=None,
@@ -119,7 +239,9 @@ class LisaConfig(PeftConfig):
     )
     fan_in_fan_out: bool = field(
         default=False,
-        metadata={"help": "True if the target stores its weight as (in, out), like GPT-2's Conv1D (set automatically)."},
+        metadata={
+            "help": "True if the target stores its weight as (in, out), like GPT-2's Conv1D (set automatically)."
+        },
     )
     init_weights: bool = field(
         default=True,
@@ -132,18 +254,21 @@ class LisaConfig(PeftConfig):
         default="block", metadata={"help": f"Structure of M, one of {SPARSITY_STRUCTURES}."}
     )
     block_size: tuple[int, int] = field(
-        default=(2, 2), metadata={"help": "Block shape (out, in) for the 'block' structure, e.g. [2, 2]."}
+        default=(2, 2), metadata={"help": "Block shape (out, in) for the 'block' structure, e.g. (2, 2) or '2x2'."}
     )
     n_m: tuple[int, int] = field(
         default=(2, 4),
-        metadata={"help": "Keep n of every m entries along the input dimension for 'n:m'; sparsity must be 1 - n/m."},
+        metadata={
+            "help": "Keep n of every m entries along the input dimension for 'n:m', e.g. (2, 4) or '2:4'; sparsity "
+            "must be 1 - n/m."
+        },
     )
     mask_init: Literal["importance", "magnitude", "random", "dense"] = field(
         default="importance",
         metadata={
             "help": "How M is chosen: 'importance' (|dL/dW| over a fresh adapter's first importance_steps training "
-            "steps, with B held at 0, selected by the scheduler callback; |W| until then), 'magnitude' (|W|), 'random' (seeded) or 'dense' (all ones until the first "
-            "re-selection)."
+            "steps, with B held at 0, selected by the scheduler callback; |W| until then), 'magnitude' (|W|), "
+            "'random' (seeded) or 'dense' (all ones until the first re-selection)."
         },
     )
     mask_seed: int = field(default=0, metadata={"help": "Seed of the 'random' mask initialisation."})
@@ -177,7 +302,11 @@ class LisaConfig(PeftConfig):
         default=0.01, metadata={"help": "lambda of the L2 penalty lambda * sum(beta_l^2) added to the training loss."}
     )
     lisa_activated_layers: int = field(
-        default=0, metadata={"help": "gamma: number of blocks whose adapters train at a time; 0 trains every block."}
+        default=0,
+        metadata={
+            "help": "gamma: number of blocks trained at a time (their adapters, in the adapter form); 0 trains every "
+            "block's adapter."
+        },
     )
     lisa_interval_steps: int = field(
         default=20, metadata={"help": "K: optimizer steps between two block switches."}
@@ -207,59 +336,12 @@ class LisaConfig(PeftConfig):
         self.exclude_modules = (
             set(self.exclude_modules) if isinstance(self.exclude_modules, list) else self.exclude_modules
         )
-        self.block_size = _pair(self.block_size, "block_size")
-        self.n_m = _pair(self.n_m, "n_m")
+        self.block_size = _pair(self.block_size, "LisaConfig.block_size")
+        self.n_m = _pair(self.n_m, "LisaConfig.n_m")
         self.rank_pattern = dict(self.rank_pattern or {})
         self.alpha_pattern = dict(self.alpha_pattern or {})
         self.sparsity_pattern = dict(self.sparsity_pattern or {})
-        self._validate()
-
-    # -- validation -------------------------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        def need(cond: bool, name: str, value, allowed: str) -> None:
-            if not cond:
-                raise ValueError(f"LisaConfig.{name}={value!r} is invalid; allowed: {allowed}.")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        need(is_int(self.r) and self.r > 0, "r", self.r, "a positive integer")
-        need(isinstance(self.lisa_alpha, (int, float)) and self.lisa_alpha > 0, "lisa_alpha", self.lisa_alpha, "> 0")
-        need(0.0 <= self.lisa_dropout < 1.0, "lisa_dropout", self.lisa_dropout, "a float in [0, 1)")
-        need(self.sparsity_structure in SPARSITY_STRUCTURES, "sparsity_structure", self.sparsity_structure,
-             f"one of {SPARSITY_STRUCTURES}")
-        need(self.mask_init in MASK_INITS, "mask_init", self.mask_init, f"one of {MASK_INITS}")
-        need(self.lisa_sampling in LAYER_SAMPLING_STRATEGIES, "lisa_sampling", self.lisa_sampling,
-             f"one of {LAYER_SAMPLING_STRATEGIES}")
-        n, m = self.n_m
-        need(n < m, "n_m", self.n_m, "n < m, e.g. (2, 4)")
-        for name, value in [("sparsity", self.sparsity)] + [
-            (f"sparsity_pattern[{k!r}]", v) for k, v in self.sparsity_pattern.items()
-        ]:
-            need(isinstance(value, (int, float)) and 0.0 <= value < 1.0, name, value, "a float in [0, 1)")
-            if self.sparsity_structure == "n:m" and value != 0:
-                need(abs(value - (1 - n / m)) < 1e-9, name, value,
-                     f"0 or 1 - n/m = {1 - n / m:g} with sparsity_structure='n:m' and n_m={n}:{m}")
-        for k, v in self.rank_pattern.items():
-            need(is_int(v) and v > 0, f"rank_pattern[{k!r}]", v, "a positive integer")
-        for k, v in self.alpha_pattern.items():
-            need(isinstance(v, (int, float)) and v > 0, f"alpha_pattern[{k!r}]", v, "> 0")
-        need(is_int(self.mask_update_interval) and self.mask_update_interval >= 0, "mask_update_interval",
-             self.mask_update_interval, "an integer >= 0 (0 never re-selects)")
-        need(is_int(self.importance_steps) and self.importance_steps >= 1, "importance_steps",
-             self.importance_steps, "an integer >= 1")
-        if self.mask_update_interval:
-            need(self.mask_update_interval >= self.importance_steps, "mask_update_interval",
-                 self.mask_update_interval, f">= importance_steps ({self.importance_steps}), or 0")
-        need(self.new_block_bonus >= 0, "new_block_bonus", self.new_block_bonus, ">= 0")
-        need(isinstance(self.mask_keep_learned, (int, float)) and self.mask_keep_learned >= 0, "mask_keep_learned",
-             self.mask_keep_learned, "a float >= 0")
-        need(self.interpolation_delta_bound > 0, "interpolation_delta_bound", self.interpolation_delta_bound, "> 0")
-        need(self.interpolation_beta_l2 >= 0, "interpolation_beta_l2", self.interpolation_beta_l2, ">= 0")
-        need(is_int(self.lisa_activated_layers) and self.lisa_activated_layers >= 0, "lisa_activated_layers",
-             self.lisa_activated_layers, "an integer >= 0 (0 trains every block)")
-        need(is_int(self.lisa_interval_steps) and self.lisa_interval_steps >= 1, "lisa_interval_steps",
-             self.lisa_interval_steps, "an integer >= 1")
+        check_lisa_settings({f.name: getattr(self, f.name) for f in lisa_config_fields()})
 
     # -- per-module resolution ----------------------------------------------------------------------------------------
     def resolve(self, key: str) -> dict:

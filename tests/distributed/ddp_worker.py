@@ -151,14 +151,14 @@ def run_refusals(output_dir: str) -> dict:
     """What the option layer refuses on this backend (gloo), and reentrant checkpointing under DDP."""
     from transformers import Trainer
 
-    from hf_lisa.distributed import UnsupportedEngineError, configure_trainer_for_lisa, ddp_kwargs_for_lisa
+    from hf_lisa.distributed import UnsupportedEngineError, ddp_kwargs_for_lisa
     from hf_lisa.trainer_callbacks import LisaCallback
 
     out = {}
     args = training_args(output_dir, 2, 2, activation_checkpointing=True,
                          activation_checkpointing_kwargs={"use_reentrant": True})
-    try:  # the callback configures its Trainer as the Trainer is built, so the refusal comes at construction
-        Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)])
+    try:  # the run's one engine check, as training begins, sees the checkpointed model inside the DDP wrap
+        Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)]).train()
         out["reentrant_checkpointing"] = None
     except UnsupportedEngineError as err:
         out["reentrant_checkpointing"] = str(err)

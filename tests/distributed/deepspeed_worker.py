@@ -98,12 +98,13 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
 
 
 def layer_switching_refusals(stage: int) -> dict:
-    """Full-parameter LISA and adapters with γ > 0 under ZeRO: the scheduler must refuse before training."""
+    """Full-parameter LISA and adapters with γ > 0 under ZeRO: the engine check refuses before the first freeze, with
+    what a custom loop has at hand (the scheduler's candidates and the optimizer it steps)."""
     import deepspeed
     from peft import get_peft_model
 
     import hf_lisa
-    from hf_lisa.distributed import UnsupportedEngineError
+    from hf_lisa.distributed import UnsupportedEngineError, check_layer_switching_supported
     from hf_lisa.scheduler import LayerwiseScheduler
 
     out = {}
@@ -111,6 +112,7 @@ def layer_switching_refusals(stage: int) -> dict:
     def attempt(name, build):
         try:
             scheduler, optimizer = build()
+            check_layer_switching_supported(optimizer=optimizer, params=scheduler.candidates)
             scheduler.freeze_all_but_active(optimizer)
             out[name] = None
         except UnsupportedEngineError as err:

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dist_common import REPO, tiny_llama
+from dist_common import REPO, PatternDataset, tiny_llama
 
 from hf_lisa.distributed import (
     GradientBytesMeter,
@@ -144,15 +144,59 @@ def test_single_process_trainer_needs_no_ddp_setup(tmp_path):
             configure_trainer_for_lisa(trainer)
 
 
-def test_scheduler_refuses_an_optimizer_that_holds_none_of_the_model_parameters():
+def test_an_optimizer_that_holds_none_of_the_schedule_parameters_is_refused():
     from hf_lisa.scheduler import LayerwiseScheduler
 
     model = tiny_llama()
     copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]  # like ZeRO's flat partitions
     scheduler = LayerwiseScheduler(model, num_active=1, interval_steps=2)
     with pytest.raises(UnsupportedEngineError, match="holds none of them"):
-        scheduler.freeze_all_but_active(torch.optim.AdamW(copies))
-    assert all(p.requires_grad for p in model.parameters())  # refused before anything was frozen
+        check_layer_switching_supported(model, torch.optim.AdamW(copies), params=scheduler.candidates)
+
+
+@pytest.mark.parametrize(
+    "case,overrides,message",
+    [
+        ("deepspeed", {"deepspeed": "ds_config.json"}, r"DeepSpeed ZeRO fixes the trainable set.*FSDP2"),
+        ("fsdp1-flat", {"fsdp": "full_shard", "fsdp_config": {"version": 1, "use_orig_params": "false"}},
+         r"use_orig_params=True.*FSDP2"),
+        ("ddp-no-unused", {"ddp_find_unused_parameters": False}, r"Expected to have finished reduction"),
+        ("ddp-static-graph", {"ddp_static_graph": True}, r"static_graph=True forbids"),
+        ("ddp-reentrant", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+         r"use_reentrant"),
+    ],
+)
+def test_trainer_arguments_are_judged_by_the_same_check_before_the_wrap(case, overrides, message):
+    from types import SimpleNamespace
+
+    from transformers.training_args import ParallelMode
+
+    args = SimpleNamespace(
+        deepspeed=None, fsdp="", fsdp_config={}, parallel_mode=ParallelMode.DISTRIBUTED, world_size=2,
+        ddp_find_unused_parameters=True, ddp_static_graph=False, gradient_checkpointing=False,
+        gradient_checkpointing_kwargs=None,
+    )
+    vars(args).update(overrides)
+    with pytest.raises(UnsupportedEngineError, match=message):
+        check_layer_switching_supported(tiny_llama(), args=args, form="full-parameter LISA")
+    # a schedule that freezes nothing (γ = N, or masks only) is never refused
+    assert check_layer_switching_supported(tiny_llama(), args=args, freezes=False) in ("deepspeed", "fsdp1", "ddp")
+
+
+def test_a_training_run_checks_its_engine_once(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    import hf_lisa.distributed
+    from hf_lisa.trainer_callbacks import LisaCallback
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=4, save_strategy="no")
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(),
+                      callbacks=[LisaCallback(activated_layers=1, interval_steps=2)])
+    check = mock.Mock(wraps=check_layer_switching_supported)
+    with mock.patch.object(hf_lisa.distributed, "check_layer_switching_supported", check):
+        trainer.train()
+    assert check.call_count == 1
+    assert check.call_args.kwargs["freezes"] is True and check.call_args.kwargs["form"] == "full-parameter LISA"
 
 
 def test_plain_model_and_optimizer_are_single_engine():

@@ -1,0 +1,185 @@
+"""Every ``--method`` against every option of ``hf-lisa train``: refused with a message naming both, or accepted.
+
+Only ``parse_args`` runs (no model is loaded). The table under test is ``hf_lisa.train.methods.OPTION_METHODS``; the
+value rules are ``hf_lisa.tuner.config.check_lisa_settings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from hf_lisa import LisaConfig
+from hf_lisa.train import METHODS, LisaArguments, parse_args
+from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, _NOT_OPTIONS, LISA_CONFIG_OPTIONS, lisa_config_kwargs
+from hf_lisa.train.methods import OPTION_METHODS
+from hf_lisa.tuner.config import lisa_config_fields
+
+#: a valid value, other than the default, of every option (as command-line tokens)
+NON_DEFAULT: dict[str, list[str]] = {
+    "lisa_always_trainable": ["embeddings", "lm_head"],
+    "lisa_optimizer_state_policy": ["keep"],
+    "layerwise_lr_decay": ["0.9"],
+    "monitor_plateau_grad_norm": ["1e-4"],
+    "monitor_plateau_steps": ["10"],
+    "monitor_block_groups": ["2"],
+    "ddp_comm_hook": ["powersgd"],
+    "powersgd_rank": ["2"],
+    "powersgd_start_iter": ["20"],
+    "push_mode": ["merged"],
+    "r": ["4"],
+    "lisa_alpha": ["32"],
+    "lisa_dropout": ["0.1"],
+    "target_modules": ["q_proj", "v_proj"],
+    "exclude_modules": ["o_proj"],
+    "layers_to_transform": ["0", "1"],
+    "layers_pattern": ["layers"],
+    "modules_to_save": ["lm_head"],
+    "sparsity": ["0.4"],
+    "sparsity_structure": ["unstructured"],
+    "block_size": ["4x4"],
+    "n_m": ["1:4"],
+    "mask_init": ["magnitude"],
+    "mask_seed": ["3"],
+    "mask_update_interval": ["100"],
+    "importance_steps": ["4"],
+    "mask_keep_learned": ["0.5"],
+    "new_block_bonus": ["1.0"],
+    "layer_interpolation": ["true"],
+    "interpolation_delta_bound": ["3.0"],
+    "interpolation_beta_l2": ["0.1"],
+    "lisa_activated_layers": ["3"],
+    "lisa_interval_steps": ["10"],
+    "lisa_sampling": ["cyclic"],
+    "lisa_layers_attribute": ["model.layers"],
+    "rank_pattern": ['{"q_proj": 4}'],
+    "alpha_pattern": ['{"q_proj": 8}'],
+    "sparsity_pattern": ['{"q_proj": 0.5}'],
+}
+OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
+
+
+def _parse(tmp_path, *argv):
+    return parse_args(["--output_dir", str(tmp_path), "--report_to", "none", *argv])
+
+
+def test_the_table_and_this_test_cover_every_option():
+    assert sorted(OPTION_METHODS) == sorted(OPTIONS)
+    assert sorted(NON_DEFAULT) == sorted(OPTIONS)
+    assert all(set(methods) <= set(METHODS) and methods for methods in OPTION_METHODS.values())
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("option", OPTIONS)
+def test_method_option_matrix(tmp_path, method, option):
+    argv = ["--method", method, f"--{option}", *NON_DEFAULT[option]]
+    if method in OPTION_METHODS[option]:
+        *_, lisa_args, _ = _parse(tmp_path, *argv)
+        assert lisa_args.method == method and getattr(lisa_args, option) != _default(option)
+    else:
+        with pytest.raises(ValueError) as info:
+            _parse(tmp_path, *argv)
+        message = str(info.value)
+        assert message.startswith(f"--method {method} does not use --{option}="), message
+        assert f"(used by {', '.join(OPTION_METHODS[option])})" in message
+
+
+@pytest.mark.parametrize(
+    "argv, refused",
+    [
+        (["--method", "lora", "--sparsity", "0.4"], "--sparsity=0.4"),
+        (["--method", "lora", "--layer_interpolation"], "--layer_interpolation=True"),
+        (["--method", "lora", "--lisa_activated_layers", "3"], "--lisa_activated_layers=3"),
+        (["--method", "full", "--lisa_sampling", "importance"], "--lisa_sampling='importance'"),
+        (["--method", "lisa", "--sparsity", "0.5"], "--sparsity=0.5"),
+        (["--method", "lisa", "--layer_interpolation", "true"], "--layer_interpolation=True"),
+        (["--method", "dora", "--lisa_always_trainable", "none"], "--lisa_always_trainable=['none']"),
+    ],
+)
+def test_the_cases_of_the_issue_are_refused_naming_option_method_and_what_applies(tmp_path, argv, refused):
+    method = argv[1]
+    with pytest.raises(ValueError, match=f"^--method {method} does not use {re.escape(refused)}") as info:
+        _parse(tmp_path, *argv)
+    own = [f"--{name}" for name, methods in OPTION_METHODS.items() if method in methods and methods != METHODS]
+    assert all(name in str(info.value) for name in own)
+
+
+def test_every_refused_option_is_named_at_once(tmp_path):
+    with pytest.raises(ValueError) as info:
+        _parse(tmp_path, "--method", "lora", "--sparsity", "0.4", "--lisa_sampling", "cyclic", "--r", "4")
+    message = str(info.value)
+    assert "--sparsity=0.4" in message and "--lisa_sampling='cyclic'" in message
+    assert "--r=" not in message  # used by lora
+
+
+def test_an_option_at_its_default_is_not_given(tmp_path):
+    # the demo and the shipped configs state γ = 2 and K = 20 explicitly: harmless for every method
+    for method in METHODS:
+        _parse(tmp_path, "--method", method, "--lisa_activated_layers", "2", "--lisa_interval_steps", "20")
+
+
+def test_a_config_file_and_the_command_line_are_refused_alike(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"method": "lora", "sparsity": 0.4, "output_dir": str(tmp_path)}))
+    with pytest.raises(ValueError, match=r"^--method lora does not use --sparsity=0.4 \(used by lisa-adapter\)"):
+        parse_args([str(path), "--report_to", "none"])
+    # the command line overrides the file's method, and the file's option is then used
+    *_, lisa_args, _ = parse_args([str(path), "--method", "lisa-adapter", "--report_to", "none"])
+    assert lisa_args.sparsity == 0.4
+    # and a file's method refuses a command-line option
+    path.write_text(yaml.safe_dump({"method": "full", "output_dir": str(tmp_path)}))
+    with pytest.raises(ValueError, match=r"^--method full does not use --r=4"):
+        parse_args([str(path), "--r", "4", "--report_to", "none"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "lisa", "--lisa_activated_layers", "0"],
+         r"--method lisa --lisa_activated_layers \(γ\)=0 is invalid; allowed: an integer >= 1"),
+        (["--method", "lisa-adapter", "--lisa_activated_layers", "-1"],
+         r"--method lisa-adapter --lisa_activated_layers \(γ\)=-1 is invalid; allowed: an integer >= 0"),
+        (["--method", "lisa", "--lisa_interval_steps", "0"],
+         r"--method lisa --lisa_interval_steps \(K\)=0 is invalid; allowed: an integer >= 1"),
+        (["--method", "lisa", "--lisa_sampling", "greedy"], r"--method lisa --lisa_sampling='greedy' is invalid"),
+        (["--method", "lisa-adapter", "--sparsity", "1.0"], r"--method lisa-adapter --sparsity=1.0 is invalid"),
+        (["--method", "lisa-adapter", "--block_size", "0x2"], r"--method lisa-adapter --block_size='0x2' is invalid"),
+        (["--method", "lisa-adapter", "--mask_update_interval", "4", "--importance_steps", "8"],
+         r"--mask_update_interval=4 is shorter than the importance window importance_steps=8"),
+        (["--method", "lora", "--r", "0"], r"--method lora --r=0 is invalid; allowed: a positive integer"),
+        (["--method", "dora", "--rank_pattern", '{"q_proj": 0}'], r"--method dora --rank_pattern\['q_proj'\]=0"),
+    ],
+)
+def test_values_follow_lisa_config_rules_for_every_method(tmp_path, argv, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(tmp_path, *argv)
+
+
+def test_gamma_zero_is_the_adapter_form_without_sampling(tmp_path):
+    *_, lisa_args, _ = _parse(tmp_path, "--method", "lisa-adapter", "--lisa_activated_layers", "0")
+    assert lisa_config_kwargs(lisa_args)["lisa_activated_layers"] == 0
+
+
+def test_lisa_options_are_generated_from_lisa_config():
+    fields = {f.name: f for f in dataclasses.fields(LisaArguments)}
+    own = [f for f in lisa_config_fields() if f.name not in _NOT_OPTIONS]
+    assert [f.name for f in own] == list(LISA_CONFIG_OPTIONS)
+    command_line_defaults = {"lisa_alpha", "lisa_activated_layers"}  # hf-lisa 0.1's command-line defaults
+    config_defaults = LisaConfig()
+    for f in own:
+        option = fields[f.name]
+        assert option.metadata["help"].startswith(f.metadata["help"]), f.name
+        if f.name in command_line_defaults:
+            continue
+        default = option.default_factory() if option.default is dataclasses.MISSING else option.default
+        converted = lisa_config_kwargs(LisaArguments(**{f.name: default}))[f.name]
+        assert LisaConfig(**{f.name: converted}).__dict__[f.name] == getattr(config_defaults, f.name), f.name
+    assert set(_COMMAND_LINE_FORMS) <= set(LISA_CONFIG_OPTIONS)
+
+
+def _default(option: str):
+    f = next(f for f in dataclasses.fields(LisaArguments) if f.name == option)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -1,0 +1,239 @@
+"""The package's shape: no import circle, each subpackage imports on its own, one namespace, old paths deprecated.
+
+Static checks read the source with ``ast`` (cheap); one subprocess per subpackage proves it imports alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# the import namespace `hf_lisa` -> the folders it is installed from (see pyproject.toml [tool.setuptools])
+ROOTS = {"hf_lisa": REPO / "hf_lisa", "hf_lisa.trainer_callbacks": REPO / "trainer_callbacks",
+         "hf_lisa.model_cards": REPO / "model_cards"}
+# modules allowed over the size budget, each with its one job
+LINE_BUDGET = 500
+OVER_BUDGET: dict[str, str] = {}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for prefix, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([prefix, *parts])
+            if prefix == "hf_lisa" and any(name.startswith(p) for p in ROOTS if p != "hf_lisa"):
+                continue
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _package_of(name: str) -> str:
+    path = MODULES[name]
+    return name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> list[str]:
+    if node.level:
+        base = _package_of(module).split(".")
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    names = [f"{target}.{alias.name}" for alias in node.names]
+    return [n for n in names if n in MODULES] or ([target] if target in MODULES else [])
+
+
+def _import_time_edges() -> dict[str, set[str]]:
+    """Module -> hf_lisa modules it imports when it is imported (module level, not inside functions)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        deps: set[str] = set()
+        for node in tree.body:
+            nodes = [node]
+            if isinstance(node, ast.If):  # e.g. the deprecated-name hand-over block
+                nodes = list(ast.walk(node))
+            for sub in nodes:
+                if isinstance(sub, ast.ImportFrom):
+                    deps.update(_resolve(name, sub))
+                elif isinstance(sub, ast.Import):
+                    deps.update(a.name for a in sub.names if a.name in MODULES)
+        # importing a submodule first imports its parent packages
+        deps.discard(name)
+        edges[name] = {d for d in deps if not name.startswith(d + ".")}
+    return edges
+
+
+def test_no_import_cycle_between_modules():
+    edges = _import_time_edges()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+# the layers of docs/architecture.md, lowest first: a module may import (at any depth, functions included) only from
+# its own layer or a lower one; the root package `hf_lisa` re-exports and is exempt
+LAYERS = (
+    ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa._moved", "hf_lisa.models"),
+    ("hf_lisa.tuner",),
+    ("hf_lisa.scheduler",),
+    ("hf_lisa.distributed",),
+    ("hf_lisa.trainer_callbacks",),
+    ("hf_lisa.hub", "hf_lisa.model_cards"),
+    ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task"),
+)
+
+
+def _layer(module: str) -> int:
+    matches = [(len(prefix), i) for i, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer of LAYERS (and docs/architecture.md)"
+    return max(matches)[1]
+
+
+def test_each_module_imports_only_from_its_layer_or_below():
+    upward = []
+    for name, path in MODULES.items():
+        if name == "hf_lisa":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                deps = _resolve(name, node)
+            elif isinstance(node, ast.Import):
+                deps = [a.name for a in node.names if a.name in MODULES]
+            else:
+                continue
+            for dep in deps:
+                if dep != "hf_lisa" and not name.startswith(dep + ".") and _layer(dep) > _layer(name):
+                    upward.append(f"{name} -> {dep}")
+    assert not upward, f"imports against the layering of docs/architecture.md: {upward}"
+
+
+@pytest.mark.parametrize(
+    "module", ["hf_lisa.tuner", "hf_lisa.scheduler", "hf_lisa.distributed", "hf_lisa.train", "hf_lisa.hub",
+               "hf_lisa.trainer_callbacks", "hf_lisa.cli"],
+)
+def test_each_subpackage_imports_on_its_own(module):
+    code = f"import warnings; warnings.simplefilter('error', FutureWarning); import {module}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_pyproject_installs_every_package():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(config["packages"])
+    expected = {_package_of(name) for name in MODULES}
+    assert expected <= packages, f"not installed: {sorted(expected - packages)}"
+    assert config["package-dir"] == {"hf_lisa.trainer_callbacks": "trainer_callbacks",
+                                     "hf_lisa.model_cards": "model_cards"}
+
+
+def test_modules_stay_within_the_line_budget():
+    over = {}
+    for name, path in MODULES.items():
+        lines = len(path.read_text().splitlines())
+        if lines > LINE_BUDGET and name not in OVER_BUDGET:
+            over[name] = lines
+    assert not over, f"modules over {LINE_BUDGET} lines without a stated reason: {over}"
+
+
+def test_old_module_paths_warn_and_hand_over_the_same_module():
+    import importlib
+
+    import hf_lisa
+    from hf_lisa._moved import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+    assert hf_lisa.LisaConfig is importlib.import_module("hf_lisa.config").LisaConfig
+
+
+@pytest.mark.parametrize("old,new", [("trainer_callbacks", "hf_lisa.trainer_callbacks"),
+                                     ("model_cards", "hf_lisa.model_cards")])
+def test_old_top_level_names_warn_and_hand_over(old, new):
+    code = (
+        "import warnings, importlib\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({new!r})\n"
+        "assert old is new, (old, new)\n"
+        f"assert any(issubclass(w.category, FutureWarning) and {new!r} in str(w.message) for w in caught), caught\n"
+        + (f"import {old}.lisa, {new}.lisa\nassert {old}.lisa is {new}.lisa\n" if old == "trainer_callbacks" else "")
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_no_warning_on_the_canonical_paths():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        import hf_lisa.trainer_callbacks  # noqa: F401
+        from hf_lisa import model_cards
+
+        assert model_cards.template_path().endswith(".md.j2")
+
+
+def test_built_wheel_installs_one_namespace(tmp_path):
+    """What users get from the wheel (not the editable checkout): the mapped folders land inside ``hf_lisa``."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)], check=True,
+                   timeout=300, capture_output=True)
+    (wheel,) = wheel_dir.glob("hf_lisa-*.whl")
+    subprocess.run(pip + ["install", "--no-deps", "--target", str(target), str(wheel)], check=True, timeout=300,
+                   capture_output=True)
+    code = (
+        "import sys, warnings\n"
+        f"sys.path.insert(0, {str(target)!r})\n"
+        "import hf_lisa, hf_lisa.trainer_callbacks, hf_lisa.model_cards\n"
+        f"assert hf_lisa.__file__.startswith({str(target)!r}), hf_lisa.__file__\n"
+        "assert hf_lisa.model_cards.template_path().endswith('model_card.md.j2')\n"
+        "from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import trainer_callbacks\n"
+        "assert trainer_callbacks is hf_lisa.trainer_callbacks and caught\n"
+        "print(hf_lisa.__version__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import hf_lisa
+
+    assert result.stdout.strip() == hf_lisa.__version__
+
+
+def test_architecture_doc_maps_every_module():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    missing = [str(path.relative_to(REPO)) for path in MODULES.values() if f"`{path.relative_to(REPO)}`" not in text]
+    assert not missing, f"docs/architecture.md does not map {missing}"

@@ -1,0 +1,113 @@
+"""What the two LISA callbacks share: logging, the Trainer that runs them and the step's guard rails.
+
+Checkpoint and resume come from :class:`~hf_lisa.trainer_callbacks.state.ScheduleCheckpoint`; finding and preparing
+the Trainer from :mod:`hf_lisa.trainer_callbacks.setup`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from transformers import TrainerCallback
+
+from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
+from hf_lisa.scheduler.optim_state import optimizer_state_bytes
+
+from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size
+from .state import ScheduleCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
+    """Logging, Trainer preparation and guard rails shared by the two LISA callbacks (checkpoints: :mod:`.state`)."""
+
+    def __init__(self) -> None:
+        self.layer_scheduler: Optional[LayerwiseScheduler] = None
+        self.mask_scheduler: Optional[MaskScheduler] = None
+        self.resume_state: Optional[dict] = None  # set by the Trainer when it restores the callback
+        self._global_step = 0
+        self._pending_logs: dict[str, Any] = {}
+        self._warned_stray = False
+
+    # -- logging -------------------------------------------------------------------------------------------------------
+    def _log_values(self, optimizer) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        if self.layer_scheduler is not None:
+            counts = self.layer_scheduler.param_counts()
+            values["lisa/active_blocks"] = ",".join(str(b) for b in self.layer_scheduler.active)
+            values["lisa/always_trainable_params"] = counts["always_trainable"]
+            values["lisa/active_block_params"] = counts["active_blocks"]
+            values["lisa/trainable_params"] = counts["trainable"]
+        if optimizer is not None:
+            values["lisa/optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
+        if self.mask_scheduler is not None:
+            values["lisa/mask_updates"] = self.mask_scheduler.num_updates
+        values.update(self._pending_logs)
+        return values
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if logs is None:
+            return
+        values = self._log_values(optimizer)
+        logs.update(values)
+        # Trainer.log appended a copy of `logs` to log_history just before this event: keep the two in step
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
+        self._pending_logs = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._global_step = state.global_step
+
+    # -- the Trainer that runs us --------------------------------------------------------------------------------------
+    def _configure(self, trainer) -> None:
+        ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
+        configure_trainer(trainer, ours)
+
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = calling_trainer()
+        if trainer is not None:
+            self._configure(trainer)
+
+    def _check_configured(self, args) -> None:
+        """Refuse multi-process training that the callback could not set up (added after the Trainer was built)."""
+        trainer = calling_trainer()
+        if trainer is not None and not getattr(trainer, CONFIGURED, False):
+            if launched_world_size() > 1 or args.world_size > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__} was added after the Trainer was built, so it could not prepare the "
+                    "Trainer's DDP wrap for LISA before train() (unused-parameter detection, the active-set "
+                    "all-reduce). Pass it as Trainer(callbacks=[...]), or call "
+                    "hf_lisa.distributed.configure_trainer_for_lisa(trainer) before trainer.train()."
+                )
+            self._configure(trainer)
+
+    # -- the step ------------------------------------------------------------------------------------------------------
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # gradients are complete (all micro-batches, all-reduced under DDP); the update has not happened yet
+        if self.layer_scheduler is not None:
+            stray = self.layer_scheduler.drop_stray_gradients()
+            if stray and not self._warned_stray:
+                self._warned_stray = True
+                logger.warning(
+                    "LISA: %d frozen parameter(s) received gradients at step %d: something re-enabled requires_grad "
+                    "behind the schedule (a library or user code). Their gradients were dropped, so they did not "
+                    "move; the compute was wasted.", len(stray), state.global_step,
+                )
+            if self.layer_scheduler.strategy == "importance":
+                self.layer_scheduler.observe_gradients()
+        if self.mask_scheduler is not None:
+            self.mask_scheduler.end_step()
+        self._apply_penalty(optimizer)
+
+    def _apply_penalty(self, optimizer) -> None:
+        """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA)."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # leave the model as it was handed over (every candidate trainable), e.g. for a second trainer.train()
+        if self.layer_scheduler is not None:
+            self.layer_scheduler.restore_trainable()
+        if self.mask_scheduler is not None:
+            self.mask_scheduler.set_tracking(False)
+            self.mask_scheduler.reset_importance()
