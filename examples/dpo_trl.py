@@ -17,8 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 import hf_lisa
-from hf_lisa.train.data import load_raw_datasets
-from hf_lisa.demo_task import ANSWER_MARKER, write_demo_dataset
+from hf_lisa.demo_task import ANSWER_MARKER, load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
@@ -50,11 +49,8 @@ def preference_pair(row: dict) -> dict:
     }
 
 
-if args.train_file:
-    raw = load_raw_datasets(train_file=args.train_file, validation_split_percentage=5)
-else:
-    train_file, validation_file = write_demo_dataset(f"{args.output_dir}/data", n_train=1000, n_validation=32)
-    raw = load_raw_datasets(train_file=train_file, validation_file=validation_file)
+raw = load_task_or_file(args.train_file)  # your prompt/chosen/rejected rows, or the bundled arithmetic task
+if not args.train_file:
     raw = raw.map(preference_pair, remove_columns=raw["train"].column_names)
 
 # rank-8 adapters on the attention projections; 2 blocks' adapters train at a time, K = 10 steps
@@ -78,6 +74,4 @@ trainer.train()
 after = trainer.evaluate()
 print(f"eval loss: {before['eval_loss']:.4f} -> {after['eval_loss']:.4f}")
 print(f"reward accuracy: {before['eval_rewards/accuracies']:.3f} -> {after['eval_rewards/accuracies']:.3f}")
-trainer.save_model(args.output_dir)  # adapter_config.json + adapter_model.safetensors
-if trainer.is_world_process_zero():  # one writer when launched on several processes
-    tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)  # adapter and tokenizer (the processing_class)

@@ -14,8 +14,8 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import hf_lisa
-from hf_lisa.train.data import data_collator, load_raw_datasets, tokenize_datasets
-from hf_lisa.demo_task import write_demo_dataset
+from hf_lisa.train.data import data_collator, tokenize_datasets
+from hf_lisa.demo_task import load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
@@ -40,11 +40,7 @@ config = hf_lisa.LisaConfig(
 model = get_peft_model(model, config)
 model.print_trainable_parameters()
 
-if args.train_file:
-    raw = load_raw_datasets(train_file=args.train_file, validation_split_percentage=5)
-else:
-    train_file, validation_file = write_demo_dataset(f"{args.output_dir}/data", n_train=1000, n_validation=32)
-    raw = load_raw_datasets(train_file=train_file, validation_file=validation_file)
+raw = load_task_or_file(args.train_file)  # your file, or the bundled arithmetic task
 datasets, _ = tokenize_datasets(raw, tokenizer, max_seq_length=256)  # loss on the completions only
 
 training_args = TrainingArguments(
@@ -53,7 +49,7 @@ training_args = TrainingArguments(
 )
 trainer = Trainer(
     model=model, args=training_args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
-    data_collator=data_collator(tokenizer), callbacks=[LisaAdapterCallback(seed=42)],
+    processing_class=tokenizer, data_collator=data_collator(tokenizer), callbacks=[LisaAdapterCallback(seed=42)],
 )
 TrainingMonitorCallback().attach(trainer)  # ahead of TensorBoard, so that its scalars reach the event files
 
@@ -61,6 +57,4 @@ before = trainer.evaluate()["eval_loss"]
 trainer.train()
 after = trainer.evaluate()["eval_loss"]
 print(f"eval loss: {before:.4f} -> {after:.4f}")
-trainer.save_model(args.output_dir)  # adapter_config.json + adapter_model.safetensors (factors and masks)
-if trainer.is_world_process_zero():  # one writer when launched on several processes
-    tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)  # adapter (factors and masks) and tokenizer (the processing_class)

@@ -12,8 +12,8 @@ import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from hf_lisa.train.data import data_collator, load_raw_datasets, tokenize_datasets
-from hf_lisa.demo_task import write_demo_dataset
+from hf_lisa.train.data import data_collator, tokenize_datasets
+from hf_lisa.demo_task import load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaCallback
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
@@ -32,11 +32,7 @@ model_path = args.model_name_or_path or default_model_path()
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 model = AutoModelForCausalLM.from_pretrained(model_path)
 
-if args.train_file:
-    raw = load_raw_datasets(train_file=args.train_file, validation_split_percentage=5)
-else:
-    train_file, validation_file = write_demo_dataset(f"{args.output_dir}/data", n_train=1000, n_validation=32)
-    raw = load_raw_datasets(train_file=train_file, validation_file=validation_file)
+raw = load_task_or_file(args.train_file)  # your file, or the bundled arithmetic task
 datasets, _ = tokenize_datasets(raw, tokenizer, max_seq_length=256)
 
 lisa = LisaCallback(
@@ -49,7 +45,7 @@ training_args = TrainingArguments(
 )
 trainer = Trainer(
     model=model, args=training_args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
-    data_collator=data_collator(tokenizer), callbacks=[lisa],
+    processing_class=tokenizer, data_collator=data_collator(tokenizer), callbacks=[lisa],
 )
 TrainingMonitorCallback().attach(trainer)
 
@@ -57,6 +53,4 @@ before = trainer.evaluate()["eval_loss"]
 trainer.train()
 after = trainer.evaluate()["eval_loss"]
 print(f"eval loss: {before:.4f} -> {after:.4f}")
-trainer.save_model(args.output_dir)  # full safetensors weights, loadable with AutoModelForCausalLM
-if trainer.is_world_process_zero():  # one writer when launched on several processes
-    tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)  # full safetensors weights and the tokenizer (the processing_class)

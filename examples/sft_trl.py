@@ -18,8 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import hf_lisa
-from hf_lisa.train.data import load_raw_datasets
-from hf_lisa.demo_task import write_demo_dataset
+from hf_lisa.demo_task import load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
@@ -36,11 +35,7 @@ model_path = args.model_name_or_path or default_model_path()
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 model = AutoModelForCausalLM.from_pretrained(model_path)
 
-if args.train_file:
-    raw = load_raw_datasets(train_file=args.train_file, validation_split_percentage=5)
-else:
-    train_file, validation_file = write_demo_dataset(f"{args.output_dir}/data", n_train=1000, n_validation=32)
-    raw = load_raw_datasets(train_file=train_file, validation_file=validation_file)
+raw = load_task_or_file(args.train_file)  # your file, or the bundled arithmetic task
 if "prompt" in raw["train"].column_names:
     # a user turn and the assistant's reply: TRL renders them with the chat template, loss on the reply only
     raw = raw.map(
@@ -69,6 +64,4 @@ before = trainer.evaluate()["eval_loss"]
 trainer.train()
 after = trainer.evaluate()["eval_loss"]
 print(f"eval loss: {before:.4f} -> {after:.4f}")
-trainer.save_model(args.output_dir)  # adapter_config.json + adapter_model.safetensors (factors and masks)
-if trainer.is_world_process_zero():  # one writer when launched on several processes
-    tokenizer.save_pretrained(args.output_dir)
+trainer.save_model(args.output_dir)  # adapter (factors and masks) and tokenizer (the processing_class)

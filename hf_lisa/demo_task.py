@@ -146,15 +146,32 @@ def extract_answer(text: str, lenient: bool = True) -> Optional[str]:
     return None
 
 
-def cached_dataset_files(n_train: int) -> tuple[str, str]:
+def cached_dataset_files(n_train: int, n_validation: int = 64) -> tuple[str, str]:
     """``(train.jsonl, validation.jsonl)`` of the bundled task, written once into hf-lisa's cache directory.
 
     The directory name carries :data:`TASK_VERSION`, so a changed generator never reuses stale files. Shared by
-    ``hf-lisa train`` and the benchmark, so that both train on the same files.
+    ``hf-lisa train``, the examples and the benchmark, so that all of them train on the same files.
     """
     from .models import cache_dir
 
-    directory = cache_dir() / "demo_task" / f"v{TASK_VERSION}-n{n_train}"
+    name = f"v{TASK_VERSION}-n{n_train}" + ("" if n_validation == 64 else f"-v{n_validation}")
+    directory = cache_dir() / "demo_task" / name
     if not (directory / "validation.jsonl").exists():
-        write_demo_dataset(directory, n_train=n_train)
+        write_demo_dataset(directory, n_train=n_train, n_validation=n_validation)
     return str(directory / "train.jsonl"), str(directory / "validation.jsonl")
+
+
+def load_task_or_file(train_file: Optional[str] = None, n_train: int = 1000, n_validation: int = 32):
+    """Raw ``train``/``validation`` datasets: ``train_file`` (5% held out) when given, else the bundled task.
+
+    What the examples start from: a user's own file, or, without one, this module's arithmetic task.
+
+    Returns:
+        A ``datasets.DatasetDict``, as :func:`hf_lisa.train.data.load_raw_datasets` returns it.
+    """
+    from .train.data import load_raw_datasets
+
+    if train_file:
+        return load_raw_datasets(train_file=train_file, validation_split_percentage=5)
+    train, validation = cached_dataset_files(n_train, n_validation)
+    return load_raw_datasets(train_file=train, validation_file=validation)

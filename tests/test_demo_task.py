@@ -61,3 +61,23 @@ def test_invalid_sizes_are_rejected_with_the_field_name():
         generate_problems(3, max_operand=1)
     with pytest.raises(ValueError, match="n=-1"):
         generate_problems(-1)
+
+
+def test_load_task_or_file_gives_the_bundled_task_or_the_users_file(tmp_path, monkeypatch):
+    import json
+
+    from hf_lisa.demo_task import load_task_or_file
+
+    monkeypatch.setenv("HF_LISA_CACHE", str(tmp_path / "cache"))
+    bundled = load_task_or_file(n_train=40, n_validation=8)
+    assert (len(bundled["train"]), len(bundled["validation"])) == (40, 8)
+    assert {"prompt", "completion"} <= set(bundled["train"].column_names)
+    train_prompts = set(bundled["train"]["prompt"])
+    assert not train_prompts & set(bundled["validation"]["prompt"])
+    assert list((tmp_path / "cache" / "demo_task").iterdir())[0].name.endswith("-n40-v8")  # cached once, by size
+
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(100)))
+    raw = load_task_or_file(str(own))
+    assert len(raw["train"]) + len(raw["validation"]) == 100 and len(raw["validation"]) == 5
+    assert raw["train"].column_names == ["text"]
