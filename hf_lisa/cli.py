@@ -10,18 +10,27 @@
 ``train`` and ``demo`` hand the rest of the command line to ``hf-lisa train``'s ``HfArgumentParser``
 (:func:`hf_lisa.train.parse_args`, itself an ``argparse`` parser); ``push`` takes the arguments of
 :func:`hf_lisa.hub.cli.add_push_arguments`.
+
+Every failure ends in one message on stderr and an exit status (:func:`exit_status`, the one policy, which
+``python -m hf_lisa.train`` follows too): 2 for a usage error (an option, a value, a config or data file, the model
+named), 1 for a failure while running, 130 when interrupted (Ctrl-C), with the checkpoint to resume from. ``--debug``
+(before the subcommand, or anywhere after ``train``/``demo``) prints the traceback as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Optional, Sequence
 
 COMMANDS = ("train", "demo", "push", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
 DOC_FILES = ("README.md", "docs/training.md")
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+#: what the user asked for cannot be used (``UsageError`` and ``DataError`` are ``ValueError``\ s): exit status 2
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 
 def _replace_between(text: str, begin: str, end: str, content: str) -> str:
@@ -110,13 +119,7 @@ def config_reference(fmt: str = "markdown") -> str:
 def _train(args: argparse.Namespace) -> int:
     from .train import main as train_main
 
-    try:
-        train_main(args.rest)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"hf-lisa train: error: {err}", file=sys.stderr)
-        return 2
+    train_main(args.rest)
     return 0
 
 
@@ -147,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .hub.cli import PUSH_DESCRIPTION, add_push_arguments
 
     parser = argparse.ArgumentParser(prog="hf-lisa", description="LISA fine-tuning for the Hugging Face stack.")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its message")
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True)
     # train and demo take no arguments here: the rest of the command line, --help included, goes to hf-lisa train's
     # HfArgumentParser (see main)
@@ -169,8 +173,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_status(err: BaseException) -> int:
+    """The exit status of a command that raised ``err``: 2 for a usage error, 130 for Ctrl-C, 1 otherwise."""
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    return EXIT_USAGE if isinstance(err, USAGE_ERRORS) else EXIT_RUNTIME
+
+
+def _take_debug_flag(rest: list[str]) -> tuple[list[str], bool]:
+    """Remove a bare ``--debug`` from the options of ``train``/``demo``. ``--debug underflow_overflow`` (with a value)
+    is transformers' ``TrainingArguments.debug`` and stays."""
+    kept, debug = [], False
+    for i, token in enumerate(rest):
+        if token == "--debug" and (i + 1 == len(rest) or rest[i + 1].startswith("-")):
+            debug = True
+        else:
+            kept.append(token)
+    return kept, debug
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """Where an interrupted ``train``/``demo`` run can resume from: the newest complete checkpoint of its output
+    directory, or that it has none."""
+    if args.command not in ("train", "demo"):
+        return ""
+    from .demo import DEMO_DEFAULTS
+    from .train import parse_args
+    from .train.output_dir import latest_checkpoint
+
+    try:
+        *_, training_args = parse_args(list(args.rest), defaults=DEMO_DEFAULTS if args.command == "demo" else None)
+    except (ValueError, SystemExit):  # interrupted while its own arguments were being read
+        return ""
+    checkpoint = latest_checkpoint(training_args.output_dir)
+    if checkpoint is None:
+        return f"No checkpoint was saved in {training_args.output_dir!r}; a new run starts from the beginning."
+    return f"Resume from {checkpoint} with the same command and --resume_from_checkpoint latest."
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``hf-lisa`` script; returns the exit code (argparse's 2 for invalid arguments)."""
+    """Entry point of the ``hf-lisa`` script; returns the exit status (see :func:`exit_status`).
+
+    A failure prints ``hf-lisa <command>: error: <message>`` on stderr, without a traceback unless ``--debug`` is given.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -179,8 +224,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, or invalid arguments
         return int(exc.code or 0)
-    args.rest = rest
-    return args.func(args)
+    args.rest, debug = _take_debug_flag(rest)
+    debug = debug or args.debug
+    prog = f"{parser.prog} {args.command}"
+    try:
+        return args.func(args)
+    except SystemExit as exc:  # hf-lisa train's argparse: --help, or an invalid value, its message already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_RUNTIME if exc.code else 0
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one place every failure becomes a message
+        if debug:
+            traceback.print_exc()
+        status = exit_status(err)
+        if status == EXIT_INTERRUPTED:
+            message = f"interrupted. {_resume_hint(args)}".rstrip()
+        else:
+            message = f"error: {err}"
+            if not isinstance(err, (ValueError, OSError)) or not str(err):  # not a message written for the user
+                message = f"error: {type(err).__name__}: {err}" + ("" if debug else " (--debug shows the traceback)")
+        print(f"{prog}: {message}", file=sys.stderr, flush=True)
+        return status
 
 
 if __name__ == "__main__":

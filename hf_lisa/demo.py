@@ -36,6 +36,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "report_to": "tensorboard",
     "seed": 42,
     "output_dir": "outputs",
+    "overwrite_output_dir": True,  # `make demo` twice replaces its own previous run (never a folder of foreign weights)
 }
 
 

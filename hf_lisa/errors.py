@@ -14,3 +14,12 @@ class LisaNotRegisteredError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0] if self.args else MISSING_IMPORT_HINT
+
+
+class UsageError(ValueError):
+    """A mistake in what the user asked for: an option, a value, a config file, an input file or the model named.
+
+    The ``hf-lisa`` command ends it with its message and exit status 2 (see :func:`hf_lisa.cli.main`), before any
+    weight is loaded where the mistake can be found that early. It is a ``ValueError``, so code that catches
+    ``ValueError`` around ``parse_args`` or ``run`` keeps working.
+    """

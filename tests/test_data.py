@@ -88,7 +88,9 @@ def test_bad_rows_are_skipped_counted_and_logged(tmp_path, tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_lisa.train.data"):
         tokenized, report = _tokenize(tmp_path, tokenizer, rows, max_seq_length=64)
     assert len(tokenized["train"]) == 1
-    assert report.skipped["train"] == {"empty prompt or completion": 2, "longer than max_seq_length=64": 1}
+    assert report.skipped["train"] == {"empty prompt": 1, "missing completion": 1, "longer than max_seq_length=64": 1}
+    assert report.skipped_lines["train"] == {"empty prompt": [2], "missing completion": [3],
+                                             "longer than max_seq_length=64": [4]}
     assert "Skipped 3 of 4 train rows" in caplog.text
 
 

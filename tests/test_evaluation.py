@@ -48,3 +48,19 @@ def test_exact_match():
     assert exact_match([], []) == 0.0
     with pytest.raises(ValueError, match="predictions but"):
         exact_match(["1"], [])
+
+
+def test_generation_rows_skip_what_training_would_skip():
+    from hf_lisa.train import DataArguments
+    from hf_lisa.train.evaluation import generation_rows
+
+    chat = [
+        {"messages": "hi"},  # not a list of turns
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": ""}]},  # empty answer
+        {"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "4"}]},  # non-string
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    ]
+    rows = generation_rows(chat, "messages", DataArguments(), limit=10)
+    assert rows == [{"messages": [{"role": "user", "content": "2+2?"}], "reference": "4"}]
+    pc = [{"prompt": "1+1=", "completion": 42}, {"prompt": "", "completion": "2"}, {"prompt": "1+1=", "completion": "2"}]
+    assert generation_rows(pc, "prompt_completion", DataArguments(), limit=10) == [{"prompt": "1+1=", "reference": "2"}]

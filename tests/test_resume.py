@@ -165,3 +165,112 @@ def test_resume_refuses_a_missing_or_older_schedule_with_a_clear_error(tiny_llam
         json.dump(trainer_state, f)
     with pytest.raises(ValueError, match=f"version 2 of its state .* reads version {SCHEDULER_STATE_VERSION}"):
         trainer().train(resume_from_checkpoint=checkpoint)
+
+
+# -- LisaTrainer: checkpoints appear only when complete; train_loss over the whole run; no token in the pickle --------
+def _lisa_trainer(tiny_llama, token_dataset, args, **kwargs):
+    from hf_lisa.train import LisaTrainer
+
+    return LisaTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
+                       callbacks=[LisaCallback(activated_layers=1, interval_steps=3, seed=9)], **kwargs)
+
+
+def test_lisa_trainer_writes_each_checkpoint_whole_before_naming_it(tiny_llama, token_dataset, training_args,
+                                                                    monkeypatch):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    import hf_lisa.trainer_callbacks.state as callback_state
+
+    written = []
+    real = callback_state.write_state_file
+
+    def spy(directory, tensors, **metadata):
+        # while the schedule's tensors are written, no checkpoint of that step exists under its final name yet
+        written.append((directory, os.path.isdir(os.path.join(args.output_dir, os.path.basename(directory)))))
+        return real(directory, tensors, **metadata)
+
+    monkeypatch.setattr(callback_state, "write_state_file", spy)
+    args = training_args(max_steps=6, save_strategy="steps", save_steps=2, hub_token="hf_never_on_disk")
+    trainer = _lisa_trainer(tiny_llama, token_dataset, args)
+    trainer.train()
+
+    assert [os.path.basename(d) for d, _ in written] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert all(".partial-checkpoint-" in d and not published for d, published in written)
+    assert sorted(os.listdir(args.output_dir)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]  # no staging left
+    assert get_last_checkpoint(args.output_dir) == os.path.join(args.output_dir, "checkpoint-6")
+    for step in (2, 4, 6):
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{step}")
+        expected = {LISA_STATE_FILE, "trainer_state.json", "model.safetensors", "optimizer.pt"}
+        assert expected <= set(os.listdir(checkpoint))
+        # the pickled arguments are written without the Hub token (nothing reads them on resume), the run keeps it
+        saved = torch.load(os.path.join(checkpoint, "training_args.bin"), weights_only=False)
+        assert saved.hub_token is None and trainer.args.hub_token == "hf_never_on_disk"
+        for name in os.listdir(checkpoint):
+            with open(os.path.join(checkpoint, name), "rb") as f:
+                assert b"hf_never_on_disk" not in f.read(), name
+
+    resumed = _lisa_trainer(tiny_llama, token_dataset, training_args(max_steps=8, save_strategy="no"))
+    resumed.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-6"))
+    assert resumed.state.global_step == 8
+
+
+def test_lisa_trainer_train_loss_after_resume_covers_the_whole_run(tiny_llama, token_dataset, training_args):
+    # logging every 3 steps, checkpoints every 4: the checkpoint logs its own step, so the loss of steps 4 is kept
+    args = training_args(max_steps=8, save_strategy="steps", save_steps=4, logging_steps=3)
+    uninterrupted = _lisa_trainer(tiny_llama, token_dataset, args).train()
+
+    resumed_trainer = _lisa_trainer(tiny_llama, token_dataset, args)
+    resumed = resumed_trainer.train(resume_from_checkpoint=os.path.join(args.output_dir, "checkpoint-4"))
+    assert resumed.training_loss == pytest.approx(uninterrupted.training_loss, rel=1e-6)
+    assert resumed.metrics["train_loss"] == resumed.training_loss
+    assert [h["train_loss"] for h in resumed_trainer.state.log_history if "train_loss" in h] == [resumed.training_loss]
+    # transformers alone would average steps 5-8 only
+    session = [h["loss"] for h in resumed_trainer.state.log_history if "loss" in h and h["step"] > 4]
+    assert resumed.training_loss != pytest.approx(sum(session) / len(session), rel=1e-3)
+
+
+def test_lisa_trainer_best_checkpoint_is_the_published_folder(tiny_llama, token_dataset, training_args):
+    args = training_args(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                         metric_for_best_model="loss", load_best_model_at_end=True, save_total_limit=1)
+    trainer = _lisa_trainer(tiny_llama, token_dataset, args, eval_dataset=token_dataset(num_examples=8, seed=1))
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert os.path.basename(best) in ("checkpoint-2", "checkpoint-4") and os.path.isdir(best)
+    with open(os.path.join(best, "trainer_state.json")) as f:
+        assert json.load(f)["best_model_checkpoint"] == best
+    assert not [n for n in os.listdir(args.output_dir) if n.startswith(".")]
+
+
+def test_lisa_trainer_pushes_a_checkpoint_from_its_final_place(tiny_llama, token_dataset, training_args, monkeypatch):
+    # transformers uploads a pushed checkpoint in the background: it must read the published folder, not the staging one
+    import huggingface_hub.constants as hf_constants
+    import huggingface_hub.hf_api
+    from hub_server import HubServer
+
+    server = HubServer()
+    server.add_token("hf_write_token", user="alice", write=True)
+    try:
+        monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
+        # transformers calls huggingface_hub's module-level `create_repo`, bound to an HfApi built at import time
+        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
+        monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+        args = training_args(max_steps=2, save_strategy="steps", save_steps=2, push_to_hub=True,
+                             hub_model_id="alice/tiny-lisa", hub_token="hf_write_token", hub_strategy="checkpoint")
+        _lisa_trainer(tiny_llama, token_dataset, args).train()
+        files = server.files("alice/tiny-lisa")
+    finally:
+        server.stop()
+    assert {"last-checkpoint/trainer_state.json", f"last-checkpoint/{LISA_STATE_FILE}"} <= set(files)
+
+
+def test_layer_schedule_refuses_a_different_k_on_resume():
+    from hf_lisa.scheduler import LayerwiseScheduler
+
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    saved = LayerwiseScheduler(model, num_active=1, interval_steps=5, seed=0).state_dict()
+    other = LayerwiseScheduler(model, num_active=1, interval_steps=7, seed=0)
+    with pytest.raises(ValueError, match=r"interval_steps \(lisa_interval_steps, K\)=5 but this run has 7"):
+        other.load_state_dict(saved)

@@ -4,8 +4,11 @@ The callbacks are ``ExportableState``: ``Trainer._save_checkpoint`` stores their
 ``checkpoint-N/trainer_state.json``. It holds the constructor arguments and the schedule's small values (format
 version, step, γ, K, strategy, seed, counters, the active set), with each tensor replaced by a reference. The tensors
 (the sampler's generator state, the mask bookkeeping, importance accumulators) go to
-``checkpoint-N/lisa_state.safetensors``, written atomically from ``on_save``, which runs after the Trainer has written
-the checkpoint folder, by the process that saves (rank 0 under DDP). See :mod:`hf_lisa.scheduler.state` for the format.
+``checkpoint-N/lisa_state.safetensors``, written atomically by the process that saves (rank 0 under DDP): by
+``on_save``, after ``transformers.Trainer`` has written the checkpoint folder, or, under
+:class:`hf_lisa.train.LisaTrainer` (which renames a checkpoint into place only once complete), before that rename
+(:meth:`ScheduleCheckpoint.save_pending_state`). See :mod:`hf_lisa.scheduler.state` for the format;
+:func:`stored_schedule_settings` reads the settings a checkpoint's schedule was written with.
 
 Resuming from ``checkpoint-N`` restores the schedule *with or without*
 ``TrainingArguments(restore_callback_states_from_checkpoint=True)``: with the flag the Trainer rebuilds the callback
@@ -15,6 +18,7 @@ come from the checkpoint folder being resumed.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any, Optional
@@ -49,6 +53,44 @@ def resumed_checkpoint(args, state) -> str:
     if isinstance(path, str):
         return path
     return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+#: the settings a resumed schedule must keep, by ``hf-lisa train`` option: where the stored schedule holds each
+RESUMED_SETTINGS = {
+    "lisa_activated_layers": ("layers", "sampler", "num_active"),
+    "lisa_sampling": ("layers", "sampler", "strategy"),
+    "lisa_interval_steps": ("layers", "interval_steps"),
+    "mask_update_interval": ("masks", "update_interval"),
+    "importance_steps": ("masks", "importance_steps"),
+}
+
+
+def stored_schedule_settings(checkpoint: str) -> dict[str, dict[str, Any]]:
+    """The settings of the LISA schedules stored in ``checkpoint/trainer_state.json``, by callback name, e.g.
+    ``{"LisaCallback": {"lisa_activated_layers": 2, "lisa_sampling": "uniform", "lisa_interval_steps": 20}}``.
+
+    Keys are those of :data:`RESUMED_SETTINGS`; a schedule without a layer part (an adapter with γ = 0) has
+    ``lisa_activated_layers=0``, one without sparse masks no mask settings. Empty for a checkpoint without a schedule.
+    Raises ``ValueError`` when the file is not JSON.
+    """
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        callbacks = json.load(f).get("stateful_callbacks") or {}
+    found: dict[str, dict[str, Any]] = {}
+    for name, entry in callbacks.items():
+        stored = ((entry.get("attributes") or {}).get("resume_state")) if isinstance(entry, dict) else None
+        if not isinstance(stored, dict) or not {"layers", "masks"} & set(stored):
+            continue
+        settings: dict[str, Any] = {}
+        for option, keys in RESUMED_SETTINGS.items():
+            value: Any = stored
+            for key in keys:
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                settings[option] = value
+        if stored.get("layers") is None:
+            settings["lisa_activated_layers"] = 0
+        found[name] = settings
+    return found
 
 
 class ScheduleCheckpoint(ExportableState):
@@ -86,11 +128,21 @@ class ScheduleCheckpoint(ExportableState):
         return {"args": self._ctor_args(), "attributes": {"resume_state": tree}}
 
     def on_save(self, args, state, control, **kwargs):
-        # Trainer._save_checkpoint wrote checkpoint-N (trainer_state.json included, via state()) before this event
+        # Trainer._save_checkpoint wrote checkpoint-N (trainer_state.json included, via state()) before this event;
+        # under LisaTrainer the tensors are in it already (save_pending_state before the rename)
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.save_pending_state(directory, state.global_step)
+
+    def save_pending_state(self, directory: str, global_step: int) -> None:
+        """Write the tensors of the schedule that the last :meth:`state` call stored to ``directory`` (as
+        ``lisa_state.safetensors``); nothing when they are written already.
+
+        A Trainer that renames a checkpoint into place only once it is complete calls it before the rename, so that
+        no checkpoint exists without the file; otherwise ``on_save`` calls it.
+        """
         tensors, self._unsaved_tensors = self._unsaved_tensors, None
         if tensors is not None:
-            directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            write_state_file(directory, tensors, global_step=str(state.global_step))
+            write_state_file(directory, tensors, global_step=str(global_step))
 
     def _stored_state(self, args, state) -> Optional[dict]:
         """The schedule saved with the checkpoint being resumed, tensors included; ``None`` for a fresh run."""

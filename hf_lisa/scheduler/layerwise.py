@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -425,9 +424,10 @@ class LayerwiseScheduler:
                 "lisa_layers_attribute."
             )
         if state["interval_steps"] != self.interval_steps:
-            warnings.warn(
-                f"Resuming a LISA schedule saved with interval_steps={state['interval_steps']} using "
-                f"interval_steps={self.interval_steps}; the run will not follow the uninterrupted run's path."
+            raise ValueError(
+                f"Cannot resume the LISA layer schedule: the checkpoint has interval_steps (lisa_interval_steps, K)="
+                f"{state['interval_steps']} but this run has {self.interval_steps}; the run would follow neither "
+                "schedule. Resume with the checkpoint's K, or start a new run."
             )
         self.sampler.load_state_dict(state["sampler"])
         self.active_set.set(state["active"])

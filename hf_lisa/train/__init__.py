@@ -32,13 +32,19 @@ Example (Python):
 
 The package, in the order a run uses it:
 
-* :mod:`.arguments`: the option dataclasses, YAML/JSON + command line, the cross-checks;
-* :mod:`.data`: training files to tokenised rows (prompt/completion, chat messages, plain text);
+* :mod:`.arguments`: the option dataclasses, command line over a YAML/JSON file (:mod:`.config_file`), the
+  cross-checks;
+* :mod:`.output_dir`: what ``--output_dir`` may be, and ``--resume_from_checkpoint latest``;
+* :mod:`.preflight`: the model's ``config.json`` and a ``meta``-device model checked before any weights load;
+* :mod:`.validation`, :mod:`.data`: training files checked line by line, then tokenised rows (prompt/completion,
+  chat messages, plain text);
 * :mod:`.methods`: model loading and the ``--method`` wrapping;
-* :mod:`.trainer`: the ``Trainer`` class (layer-wise learning-rate decay);
+* :mod:`.trainer`: the ``Trainer`` class (layer-wise learning-rate decay, atomic checkpoints);
 * :mod:`.evaluation`: token metrics and generation exact match;
-* :mod:`.outputs`: summary, loss plot, final model, model card;
-* :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` runs ``main()``."""
+* :mod:`.outputs`: summary, loss plot, final model (staged, then renamed into place), model card;
+* :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` goes through ``hf_lisa.cli.main`` (one error
+  policy: a one-line message, exit status 2 for usage errors, 1 at runtime, 130 on Ctrl-C; ``--debug`` for the
+  traceback)."""
 
 from __future__ import annotations
 

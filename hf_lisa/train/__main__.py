@@ -1,6 +1,9 @@
-"""``python -m hf_lisa.train`` (and ``accelerate launch -m hf_lisa.train``): see :func:`hf_lisa.train.main`."""
+"""``python -m hf_lisa.train`` (and ``accelerate launch -m hf_lisa.train``): ``hf-lisa train``, with its messages and
+exit status (:func:`hf_lisa.cli.main`)."""
 
-from .run import main
+import sys
+
+from ..cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["train", *sys.argv[1:]]))

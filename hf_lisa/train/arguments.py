@@ -7,7 +7,6 @@ import dataclasses
 import difflib
 import json
 import logging
-import os
 import re
 import sys
 import typing
@@ -16,7 +15,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from ..errors import UsageError
 from ..tuner.config import LisaConfig, lisa_config_fields
+from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -125,6 +126,14 @@ class DataArguments:
         default="skip",
         metadata={
             "help": "Rows longer than max_seq_length: 'skip' (counted and logged), 'truncate', or 'error'."
+        },
+    )
+    on_bad_row: str = field(
+        default="skip",
+        metadata={
+            "help": "Rows with a missing, empty or non-string field (an empty assistant turn, list content, an "
+            "unknown role, ...): 'skip' (counted by reason, logged as a table with their lines, and recorded in "
+            "training_summary.json) or 'error' (stop at the first, naming its file and line)."
         },
     )
     max_train_samples: Optional[int] = field(
@@ -336,37 +345,14 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, LisaArguments)
 # ----------------------------------------------------------------------------------------------------------------------
 # Parsing: a YAML/JSON file's values become the parser's defaults, so the command line wins
 # ----------------------------------------------------------------------------------------------------------------------
-CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
-
-
 def _argument_classes():
-    from transformers import TrainingArguments
+    from .output_dir import LisaTrainingArguments  # transformers' TrainingArguments and --overwrite_output_dir
 
-    return (*ARGUMENT_CLASSES, TrainingArguments)
+    return (*ARGUMENT_CLASSES, LisaTrainingArguments)
 
 
 def _known_fields() -> set[str]:
     return {f.name for cls in _argument_classes() for f in dataclasses.fields(cls) if f.init}
-
-
-def load_config_file(path: str) -> dict:
-    """Read a YAML or JSON mapping of option names to values."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path!r} does not exist.")
-    with open(path) as f:
-        if path.endswith(".json"):
-            config = json.load(f)
-        else:
-            import yaml
-
-            config = yaml.safe_load(f)
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"config file {path!r} must hold a mapping of option names to values, got {type(config).__name__}."
-        )
-    return config
 
 
 def _suggest(names: Sequence[str], prefix: str = "") -> str:
@@ -396,12 +382,10 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}  # YAML null keeps the default
     unknown = sorted(set(defaults) - _known_fields())
     if unknown:
-        raise ValueError(
+        raise UsageError(
             f"{source}: unknown option(s) {_suggest(unknown)}. Run `hf-lisa config-reference` for the full list."
         )
-    # one value for a list option is a list of one, as on the command line (``target_modules: q_proj``)
-    lists = {action.dest for action in parser._actions if action.nargs == "+"}
-    parser.set_defaults(**{k: [v] if k in lists and not isinstance(v, list) else v for k, v in defaults.items()})
+    parser.set_defaults(**typed_file_values(parser, defaults, source))  # typed as on the command line
     return parser
 
 
@@ -433,9 +417,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
         args=argv, return_remaining_strings=True, look_for_args_file=False
     )
     if remaining:
-        raise ValueError(
+        first = " A config file goes first: hf-lisa train CONFIG.yaml [--option value ...]." if any(
+            token.endswith(CONFIG_SUFFIXES) for token in remaining) else ""
+        raise UsageError(
             f"unrecognised argument(s): {_suggest(remaining, '--')}. Run `hf-lisa config-reference` for the full "
-            "list."
+            f"list.{first}"
         )
     model_args, data_args, lisa_args, training_args = parsed
     validate_args(model_args, data_args, lisa_args, training_args)
@@ -450,13 +436,18 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
 
     def need(cond: bool, message: str) -> None:
         if not cond:
-            raise ValueError(message)
+            raise UsageError(message)
 
     method = lisa_args.method
     need(method in METHODS, f"--method={method!r} is invalid; allowed: {', '.join(METHODS)}.")
     need(
         model_args.torch_dtype in ("float32", "bfloat16", "float16", "auto"),
         f"--torch_dtype={model_args.torch_dtype!r} is invalid; allowed: float32, bfloat16, float16, auto.",
+    )
+    learning_rate = training_args.learning_rate
+    need(
+        0.0 < learning_rate < float("inf"),  # NaN fails too
+        f"--learning_rate={learning_rate!r} is invalid; allowed: a number > 0, e.g. 2e-4.",
     )
     need(
         0.0 < lisa_args.layerwise_lr_decay <= 1.0,
@@ -483,13 +474,13 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
             "--push_to_hub needs --hub_model_id 'namespace/name' (the repo the model goes to).",
         )
     if data_args.train_file is None and data_args.validation_file is not None:
-        raise ValueError("--validation_file needs --train_file.")
+        raise UsageError("--validation_file needs --train_file.")
     if data_args.eval_generation_samples is not None:
         need(data_args.eval_generation_samples >= 0, "--eval_generation_samples must be >= 0.")
     if data_args.answer_pattern:
         try:
             re.compile(data_args.answer_pattern)
         except re.error as err:
-            raise ValueError(f"--answer_pattern={data_args.answer_pattern!r} is not a valid regex: {err}") from err
+            raise UsageError(f"--answer_pattern={data_args.answer_pattern!r} is not a valid regex: {err}") from err
     if training_args.fp16 and not torch.cuda.is_available():
-        raise ValueError("--fp16 needs a CUDA device (on CPU it would silently be a no-op); use --bf16 on CPU.")
+        raise UsageError("--fp16 needs a CUDA device (on CPU it would silently be a no-op); use --bf16 on CPU.")

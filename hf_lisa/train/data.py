@@ -8,14 +8,19 @@ Three row formats are recognised from the column names:
   loss covers the assistant turns only (by default).
 * **plain text** (a ``text`` column): the loss covers every token.
 
-Bad data, and what happens to it (also in ``docs/training.md``):
+Bad data, and what happens to it (also in ``docs/training.md``; the checks live in :mod:`.validation`):
 
-* missing file, unsupported extension, empty file or split, no recognised columns, a chat dataset with a tokenizer
-  that has no chat template: a ``ValueError``/``FileNotFoundError`` that names the file, the column or the option;
-* a row with an empty or missing prompt, completion, text or message list, or a chat row whose template rendering is
-  not incremental: **skipped, counted and logged** (one warning per split with the counts by reason);
+* missing file, unsupported extension, empty file or split, a byte that is not UTF-8, a line that is not a JSON object,
+  no recognised columns, a validation file in another format than the training file, a file that mixes row formats, a
+  chat dataset with a tokenizer that has no chat template: a ``DataError``/``FileNotFoundError`` that names the file
+  (and line), the column or the option;
+* a row with a missing, empty or non-string field, a message without a known role or with non-string or empty content,
+  a chat without an assistant turn: **skipped, counted and logged** (``on_bad_row="skip"``, the default: one table per
+  split with the counts and first lines by reason), or an error naming the file and line (``on_bad_row="error"``);
 * a row longer than ``max_seq_length``: skipped and counted (``overlength="skip"``, the default), truncated
-  (``"truncate"``) or an error naming the row (``"error"``).
+  (``"truncate"``) or an error naming the row (``"error"``). A row with more characters than ``max_seq_length`` tokens
+  of this tokenizer can hold is handled so without being tokenised;
+* a chat row whose template rendering is not incremental: skipped and counted.
 
 Example:
     ```py
@@ -31,29 +36,53 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
+
+from .validation import (
+    DATA_FORMATS,
+    LINE_COLUMN,
+    OVERLENGTH_POLICIES,
+    Columns,
+    DataError,
+    add_locations,
+    cap_row,
+    check_data,
+    check_row,
+    data_columns,
+    detect_format,
+    location_of,
+    row_texts,
+    scan_file,
+    skip_table,
+    source_of,
+    unit_of,
+    with_locations,
+)
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 EXTENSION_TO_BUILDER = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-DATA_FORMATS = ("auto", "prompt_completion", "messages", "text")
-OVERLENGTH_POLICIES = ("skip", "truncate", "error")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 SKIP_COLUMN = "_hf_lisa_skip"
+SKIP_EXAMPLES = 5  # lines listed per skip reason
 
-
-class DataError(ValueError):
-    """Bad training data or data arguments; the message names the file, column or option at fault."""
+__all__ = [  # detect_format, check_data, Columns and the constants live in .validation; they are this module's API too
+    "CHAT_TEMPLATE_MODES", "DATA_FORMATS", "IGNORE_INDEX", "LINE_COLUMN", "OVERLENGTH_POLICIES", "Columns",
+    "DataError", "TokenizationReport", "check_data", "data_collator", "detect_format", "load_raw_datasets",
+    "tokenize_datasets", "tokenize_row", "use_chat_template",
+]
 
 
 @dataclass
 class TokenizationReport:
-    """What tokenisation kept and skipped, per split."""
+    """What tokenisation kept and skipped, per split: ``skipped`` counts rows by reason, ``skipped_lines`` lists the
+    first lines (or rows) of each reason."""
 
     data_format: str
     kept: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
+    skipped_lines: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def total_skipped(self, split: str) -> int:
         return sum(self.skipped.get(split, {}).values())
@@ -75,23 +104,47 @@ def _builder_for(path: str, option: str) -> str:
     return EXTENSION_TO_BUILDER[ext]
 
 
+def _load_file(builder: str, option: str, path: str, cache_dir: str | None, line_numbers: bool):
+    """One local file as a ``Dataset``, checked line by line first (:func:`.validation.scan_file`)."""
+    import datasets
+
+    label = f"{option}={path!r}"
+    lines = scan_file(path, label, builder)
+    options = {"encoding": "utf-8-sig"} if builder == "text" else {}  # a BOM is not text to train on
+    try:
+        ds = datasets.load_dataset(builder, data_files={"train": path}, cache_dir=cache_dir, **options)["train"]
+    except Exception as err:  # datasets wraps parser errors in several types; name the file instead
+        raise DataError(f"Could not read {label} as {builder}: {type(err).__name__}: {err}") from err
+    if len(ds) == 0:
+        raise DataError(f"{label} has no rows.")
+    return add_locations(ds, label, "line" if builder in ("json", "text") else "row", lines) if line_numbers else ds
+
+
 def load_raw_datasets(
-    train_file: Optional[str] = None,
-    validation_file: Optional[str] = None,
-    dataset_name: Optional[str] = None,
-    dataset_config_name: Optional[str] = None,
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
     validation_split_percentage: float = 5.0,
     seed: int = 42,
-    cache_dir: Optional[str] = None,
+    cache_dir: str | None = None,
+    line_numbers: bool = False,
 ):
     """Load a ``DatasetDict`` with a ``train`` and (when possible) a ``validation`` split.
 
-    Local files go through ``datasets``' json/csv/parquet/text builders; ``dataset_name`` loads a Hub dataset (needs
-    network). Without a validation file or split, ``validation_split_percentage`` percent of train is held out
-    (seeded); 0 means no validation split.
+    Local files go through ``datasets``' json/csv/parquet/text builders, each file on its own, after a line-by-line
+    check of its encoding (and, for JSON, of every line); ``dataset_name`` loads a Hub dataset (needs network).
+    Without a validation file or split, ``validation_split_percentage`` percent of train is held out (seeded); 0 means
+    no validation split.
+
+    ``line_numbers=True`` (``hf-lisa train``'s choice) adds the column ``LINE_COLUMN`` (``"_hf_lisa_line"``) to every
+    split: the line (JSON Lines, text) or row (csv, parquet, Hub) each row came from, so that the messages of
+    :func:`check_data` and :func:`tokenize_datasets` (which drops it) name the file and line of a row, also in a split
+    held out of the training file. Without it they name the split and the row.
 
     Raises:
-        FileNotFoundError, DataError: for a missing, empty or unsupported file, or for no data source at all.
+        FileNotFoundError, DataError: for a missing, empty, unreadable or unsupported file (naming the line for a byte
+            that is not UTF-8 or a line that is not a JSON object), or for no data source at all.
     """
     import datasets
 
@@ -109,25 +162,31 @@ def load_raw_datasets(
             {k: v for k, v in raw.items() if k in ("train", "validation")}
             | ({"validation": raw["test"]} if "validation" not in raw and "test" in raw else {})
         )
+        for split, ds in raw.items():
+            if len(ds) == 0:
+                raise DataError(f"dataset_name={dataset_name!r} has no rows in its {split} split.")
+        if line_numbers:
+            raw = datasets.DatasetDict(
+                {split: add_locations(ds, f"dataset_name={dataset_name!r} ({split} split)", "row")
+                 for split, ds in raw.items()}
+            )
     elif train_file is not None:
         builder = _builder_for(train_file, "train_file")
-        data_files = {"train": train_file}
+        files = {"train": ("train_file", train_file)}
         if validation_file is not None:
             if _builder_for(validation_file, "validation_file") != builder:
                 raise DataError(
                     f"train_file={train_file!r} and validation_file={validation_file!r} must have the same format."
                 )
-            data_files["validation"] = validation_file
-        try:
-            raw = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir)
-        except Exception as err:  # datasets wraps parser errors in several types; name the file instead
-            raise DataError(f"Could not read {data_files} as {builder}: {type(err).__name__}: {err}") from err
+            files["validation"] = ("validation_file", validation_file)
+        # one load per file: a validation file with other columns is reported by check_data, naming both files
+        raw = datasets.DatasetDict(
+            {split: _load_file(builder, option, path, cache_dir, line_numbers)
+             for split, (option, path) in files.items()}
+        )
     else:
         raise DataError("No training data: pass train_file (jsonl/json/csv/parquet/txt) or dataset_name.")
 
-    for split, ds in raw.items():
-        if len(ds) == 0:
-            raise DataError(f"The {split} split has no rows ({train_file or dataset_name}).")
     if "validation" not in raw and validation_split_percentage > 0:
         if len(raw["train"]) < 2:
             raise DataError(
@@ -137,40 +196,6 @@ def load_raw_datasets(
         split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         raw = datasets.DatasetDict({"train": split["train"], "validation": split["test"]})
     return raw
-
-
-# -- format detection --------------------------------------------------------------------------------------------------
-def detect_format(
-    column_names: list[str],
-    data_format: str = "auto",
-    text_column: str = "text",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    messages_column: str = "messages",
-) -> str:
-    """Return ``"prompt_completion"``, ``"messages"`` or ``"text"`` for a dataset with ``column_names``."""
-    if data_format not in DATA_FORMATS:
-        raise DataError(f"data_format={data_format!r} is invalid; allowed: {DATA_FORMATS}.")
-    needed = {
-        "prompt_completion": [prompt_column, completion_column],
-        "messages": [messages_column],
-        "text": [text_column],
-    }
-    if data_format != "auto":
-        missing = [c for c in needed[data_format] if c not in column_names]
-        if missing:
-            raise DataError(
-                f"data_format={data_format!r} needs the column(s) {missing}, but the data has columns {column_names}."
-            )
-        return data_format
-    for fmt in ("prompt_completion", "messages", "text"):
-        if all(c in column_names for c in needed[fmt]):
-            return fmt
-    raise DataError(
-        f"Cannot tell the data format from the columns {column_names}. Provide one of: '{prompt_column}' + "
-        f"'{completion_column}' (prompt/completion), '{messages_column}' (chat), or '{text_column}' (plain text); "
-        "or rename them with --prompt_column/--completion_column/--messages_column/--text_column."
-    )
 
 
 # -- tokenisation ------------------------------------------------------------------------------------------------------
@@ -188,10 +213,14 @@ def use_chat_template(tokenizer, mode: str) -> bool:
     return has if mode == "auto" else mode == "always"
 
 
-def _segments_prompt_completion(row, tokenizer, chat: bool, prompt_column: str, completion_column: str):
-    prompt, completion = row.get(prompt_column), row.get(completion_column)
-    if not isinstance(prompt, str) or not isinstance(completion, str) or not prompt.strip() or not completion.strip():
-        return None, "empty prompt or completion"
+def longest_token_chars(tokenizer) -> int:
+    """The length of the tokenizer's longest vocabulary entry: no token of a tokenizer that keeps every character
+    covers more characters, so a text of more than ``n`` times this many characters has more than ``n`` tokens."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def _segments_prompt_completion(row, tokenizer, chat: bool, columns: Columns):
+    prompt, completion = row[columns.prompt], row[columns.completion]
     if chat:
         messages = [{"role": "user", "content": prompt}]
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -205,14 +234,8 @@ def _segments_prompt_completion(row, tokenizer, chat: bool, prompt_column: str, 
     return [(prompt, False, True), (completion, True, False), (None, True, False)], None
 
 
-def _segments_messages(row, tokenizer, messages_column: str, train_on_prompt: bool):
-    messages = row.get(messages_column)
-    if not isinstance(messages, list) or not messages:
-        return None, "empty messages"
-    if any(not isinstance(m, dict) or not m.get("role") or m.get("content") is None for m in messages):
-        return None, "message without role or content"
-    if not any(m["role"] == "assistant" for m in messages):
-        return None, "no assistant message"
+def _segments_messages(row, tokenizer, columns: Columns, train_on_prompt: bool):
+    messages = row[columns.messages]
     # render incrementally so that each assistant turn is an exact text span of the whole conversation
     segments, rendered = [], ""
     for i, message in enumerate(messages):
@@ -230,31 +253,58 @@ def _segments_messages(row, tokenizer, messages_column: str, train_on_prompt: bo
     return [s for s in segments if s[0]], None
 
 
+def _overlength(out: dict, at: str, size: str, max_seq_length: int, overlength: str) -> dict:
+    """A row too long for ``max_seq_length``: skipped (``out`` says why), or the error naming it and its ``size``."""
+    if overlength == "error":
+        raise DataError(f"{at} has {size}. Raise --max_seq_length, or pass --overlength skip|truncate.")
+    out[SKIP_COLUMN] = f"longer than max_seq_length={max_seq_length}"
+    return out
+
+
 def tokenize_row(
     row: dict,
     tokenizer,
     data_format: str,
     max_seq_length: int,
     chat: bool,
+    columns: Columns,
     completion_only_loss: bool = True,
     overlength: str = "skip",
-    text_column: str = "text",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    messages_column: str = "messages",
+    on_bad_row: str = "skip",
+    char_limit: int | None = None,
+    where: str = "row",
 ) -> dict[str, Any]:
-    """Tokenise one row into ``input_ids``/``attention_mask``/``labels``; a non-empty ``_hf_lisa_skip`` says why not."""
+    """Tokenise one row into ``input_ids``/``attention_mask``/``labels``; a non-empty ``_hf_lisa_skip`` says why not.
+
+    The row is checked first (:func:`.validation.check_row`); a bad row is skipped, or refused when ``on_bad_row`` is
+    ``"error"``. A row with more than ``char_limit`` characters is too long before any tokenisation: skipped, refused,
+    or cut to ``char_limit`` characters per field (``overlength="truncate"``, which keeps the first tokens the same).
+    ``where`` prefixes the row's ``LINE_COLUMN`` in messages (``"train_file='d.jsonl', line"``).
+    """
     out = {"input_ids": [], "attention_mask": [], "labels": [], SKIP_COLUMN: ""}
+    at = f"{where} {row.get(LINE_COLUMN, '?')}"
+    bad = check_row(row, data_format, columns)
+    if bad:
+        if on_bad_row == "error":
+            raise DataError(
+                f"{at}: {bad.detail} ({bad.reason}). Fix the row, or pass --on_bad_row skip to skip such rows (they "
+                "are counted and listed)."
+            )
+        out[SKIP_COLUMN] = bad.reason
+        return out
+    chars = sum(map(len, row_texts(row, data_format, columns)))
+    if char_limit is not None and chars > char_limit:
+        if overlength != "truncate":
+            size = (f"{chars} characters, more than max_seq_length={max_seq_length} tokens of this tokenizer can "
+                    f"hold (at most {char_limit} characters; the row was not tokenised)")
+            return _overlength(out, at, size, max_seq_length, overlength)
+        row = cap_row(row, data_format, columns, char_limit)
     if data_format == "text":
-        text = row.get(text_column)
-        if not isinstance(text, str) or not text.strip():
-            out[SKIP_COLUMN] = "empty text"
-            return out
-        segments, reason = [(text, True, True), (None, True, False)], None
+        segments, reason = [(row[columns.text], True, True), (None, True, False)], None
     elif data_format == "prompt_completion":
-        segments, reason = _segments_prompt_completion(row, tokenizer, chat, prompt_column, completion_column)
+        segments, reason = _segments_prompt_completion(row, tokenizer, chat, columns)
     else:
-        segments, reason = _segments_messages(row, tokenizer, messages_column, train_on_prompt=not completion_only_loss)
+        segments, reason = _segments_messages(row, tokenizer, columns, train_on_prompt=not completion_only_loss)
     if reason:
         out[SKIP_COLUMN] = reason
         return out
@@ -271,14 +321,9 @@ def tokenize_row(
         labels += ids if (trained or not completion_only_loss) else [IGNORE_INDEX] * len(ids)
 
     if len(input_ids) > max_seq_length:
-        if overlength == "skip":
-            out[SKIP_COLUMN] = f"longer than max_seq_length={max_seq_length}"
-            return out
-        if overlength == "error":
-            raise DataError(
-                f"A row has {len(input_ids)} tokens, more than max_seq_length={max_seq_length}: "
-                f"{str(row)[:200]!r}. Raise --max_seq_length, or pass --overlength skip|truncate."
-            )
+        if overlength != "truncate":
+            size = f"{len(input_ids)} tokens, more than max_seq_length={max_seq_length}"
+            return _overlength(out, at, size, max_seq_length, overlength)
         input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
     if all(label == IGNORE_INDEX for label in labels):
         out[SKIP_COLUMN] = "no trained tokens"
@@ -299,24 +344,30 @@ def tokenize_datasets(
     prompt_column: str = "prompt",
     completion_column: str = "completion",
     messages_column: str = "messages",
-    num_proc: Optional[int] = None,
+    num_proc: int | None = None,
     load_from_cache_file: bool = True,
+    on_bad_row: str = "skip",
 ):
-    """Tokenise every split with ``datasets.map`` (cached, with a progress bar), then drop and count skipped rows.
+    """Check (:func:`check_data`, then row by row), tokenise every split with ``datasets.map`` (cached, with a progress
+    bar), then drop and count skipped rows.
+
+    ``on_bad_row``: a row with a missing, empty or non-string field (see :func:`.validation.check_row`) is skipped and
+    counted (``"skip"``) or stops tokenisation with an error naming its file and line (``"error"``). Skips are logged
+    as one table per split (reason, rows, first lines).
 
     Returns:
         ``(tokenized DatasetDict, TokenizationReport)``. The tokenized splits keep only ``input_ids``,
         ``attention_mask`` and ``labels``.
 
     Raises:
-        DataError: bad options, no recognised columns, or a split where every row was skipped.
+        DataError: bad options, no recognised columns, mixed formats, a bad row under ``on_bad_row="error"``, or a split
+            where every row was skipped.
     """
-    if max_seq_length is None or max_seq_length < 2:
-        raise DataError(f"max_seq_length={max_seq_length!r} is invalid; allowed: an integer >= 2.")
-    if overlength not in OVERLENGTH_POLICIES:
-        raise DataError(f"overlength={overlength!r} is invalid; allowed: {OVERLENGTH_POLICIES}.")
-    columns = raw_datasets["train"].column_names
-    fmt = detect_format(columns, data_format, text_column, prompt_column, completion_column, messages_column)
+    import datasets
+
+    splits = with_locations(raw_datasets)
+    columns = Columns(prompt_column, completion_column, messages_column, text_column)
+    fmt = check_data(splits, max_seq_length, data_format, overlength, on_bad_row, columns)
     chat = use_chat_template(tokenizer, chat_template)
     if fmt == "messages" and not chat:
         raise DataError(
@@ -324,46 +375,47 @@ def tokenize_datasets(
             f"(or chat_template='never'); set tokenizer.chat_template or convert the data to prompt/completion."
         )
     report = TokenizationReport(data_format=fmt)
-    kwargs = dict(
-        tokenizer=tokenizer, data_format=fmt, max_seq_length=max_seq_length, chat=chat,
-        completion_only_loss=completion_only_loss, overlength=overlength, text_column=text_column,
-        prompt_column=prompt_column, completion_column=completion_column, messages_column=messages_column,
-    )
-    import datasets
-
+    kwargs = {
+        "tokenizer": tokenizer, "data_format": fmt, "max_seq_length": max_seq_length, "chat": chat, "columns": columns,
+        "completion_only_loss": completion_only_loss, "overlength": overlength, "on_bad_row": on_bad_row,
+        "char_limit": max_seq_length * longest_token_chars(tokenizer),
+    }
     tokenized = {}
-    for split, ds in raw_datasets.items():
-        if split != "train":
-            fmt_split = detect_format(ds.column_names, fmt, text_column, prompt_column, completion_column,
-                                      messages_column)
-            assert fmt_split == fmt
+    for split, ds in splits.items():
         mapped = ds.map(
             tokenize_row,
-            fn_kwargs=kwargs,
-            remove_columns=ds.column_names,
+            fn_kwargs={**kwargs, "where": location_of(ds)},
+            remove_columns=data_columns(ds),
             num_proc=num_proc,
             load_from_cache_file=load_from_cache_file,
             desc=f"Tokenizing {split} ({fmt})",
         )
-        reasons = Counter(r for r in mapped[SKIP_COLUMN] if r)
+        reasons, lines = Counter(), {}
+        for why, line in zip(mapped[SKIP_COLUMN], mapped[LINE_COLUMN]):
+            if why:
+                reasons[why] += 1
+                if len(lines.setdefault(why, [])) < SKIP_EXAMPLES:
+                    lines[why].append(line)
         kept = mapped.filter(lambda r: not r, input_columns=[SKIP_COLUMN], desc=f"Dropping skipped {split} rows")
-        kept = kept.remove_columns(SKIP_COLUMN)
+        kept = kept.remove_columns([SKIP_COLUMN, LINE_COLUMN])
         report.kept[split] = len(kept)
         report.skipped[split] = dict(reasons)
+        report.skipped_lines[split] = lines
         if reasons:
             logger.warning(
-                "Skipped %d of %d %s rows: %s", sum(reasons.values()), len(ds), split,
-                ", ".join(f"{n} {why}" for why, n in reasons.most_common()),
+                "Skipped %d of %d %s rows (%s):\n%s", sum(reasons.values()), len(ds), split, source_of(ds),
+                skip_table(reasons, lines, unit_of(ds)),
             )
         if len(kept) == 0:
             raise DataError(
-                f"Every row of the {split} split was skipped ({dict(reasons)}). Check the columns and max_seq_length."
+                f"Every row of the {split} split was skipped ({source_of(ds)}: {dict(reasons)}). Check the columns and "
+                "max_seq_length."
             )
         tokenized[split] = kept
     return datasets.DatasetDict(tokenized), report
 
 
-def data_collator(tokenizer, pad_to_multiple_of: Optional[int] = None):
+def data_collator(tokenizer, pad_to_multiple_of: int | None = None):
     """Right-pads ``input_ids`` with the pad token, ``attention_mask`` with 0 and ``labels`` with -100."""
     from transformers import DataCollatorForSeq2Seq
 

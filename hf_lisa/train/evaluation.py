@@ -101,17 +101,25 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 # Generation-based exact match
 # ----------------------------------------------------------------------------------------------------------------------
 def generation_rows(raw_validation, data_format: str, data_args: DataArguments, limit: int) -> list[dict]:
-    """``[{"messages": [...] or "prompt": str, "reference": str}]`` for up to ``limit`` validation rows."""
+    """``[{"messages": [...] or "prompt": str, "reference": str}]`` for up to ``limit`` validation rows.
+
+    Rows that training would skip (see :func:`hf_lisa.train.validation.check_row`) are skipped here too, so a
+    malformed validation row never reaches generation.
+    """
+    from .validation import Columns, check_row
+
+    columns = Columns(data_args.prompt_column, data_args.completion_column, data_args.messages_column,
+                      data_args.text_column)
     rows = []
     for row in raw_validation:
         if len(rows) >= limit:
             break
+        if check_row(row, data_format, columns) is not None:
+            continue
         if data_format == "prompt_completion":
-            prompt, completion = row.get(data_args.prompt_column), row.get(data_args.completion_column)
-            if isinstance(prompt, str) and isinstance(completion, str) and prompt.strip():
-                rows.append({"prompt": prompt, "reference": completion})
+            rows.append({"prompt": row[columns.prompt], "reference": row[columns.completion]})
         elif data_format == "messages":
-            messages = row.get(data_args.messages_column) or []
+            messages = row[columns.messages]
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
             if last is not None:
                 rows.append({"messages": messages[:last], "reference": messages[last]["content"]})

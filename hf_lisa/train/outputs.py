@@ -5,18 +5,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Optional
+from typing import Iterator, Optional
 
 from torch import nn
 
 from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
+from .output_dir import MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches
 
 logger = logging.getLogger("hf_lisa.train")
 
 __all__ = ["LOSS_PLOT_NAME", "TRAINING_SUMMARY_NAME", "build_training_summary", "plot_losses", "save_final_model",
-           "trainable_summary", "write_model_card"]
+           "staged_final_model", "trainable_summary", "write_model_card"]
 
 
 LOSS_PLOT_NAME = "loss.png"
@@ -136,7 +139,9 @@ def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[f
 
 
 def save_final_model(trainer, model: nn.Module, tokenizer, output_dir: str, method: str) -> None:
-    """Adapters as ``adapter_config.json`` + ``adapter_model.safetensors``; full weights as safetensors. No pickle."""
+    """Adapters as ``adapter_config.json`` + ``adapter_model.safetensors``; full weights as safetensors; the arguments
+    as ``training_args.json`` (Hub token masked). No pickle. ``output_dir`` is the staging folder of
+    :func:`staged_final_model` in ``hf-lisa train``."""
     # gather on every rank (FSDP/DeepSpeed shards), write on the main process only
     state_dict = trainer.accelerator.get_state_dict(trainer.model)
     if not trainer.args.should_save:
@@ -147,10 +152,55 @@ def save_final_model(trainer, model: nn.Module, tokenizer, output_dir: str, meth
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, TRAINING_ARGS_JSON), "w") as f:
         f.write(trainer.args.to_json_string())
-    # the Trainer's own save writes a pickled training_args.bin; the final directory must hold none
-    for name in os.listdir(output_dir):
-        if name == "training_args.bin":
-            os.remove(os.path.join(output_dir, name))
+
+
+def _weight_rank(name: str) -> int:
+    """0 for a file that does not make a folder a model, 1 for weights, 2 for a shard index (it names the shards)."""
+    return 2 if name.endswith(".index.json") else int(matches(name, WEIGHT_PATTERNS))
+
+
+def publish_model_files(staging: str, output_dir: str) -> None:
+    """Move the files of the complete model in ``staging`` into ``output_dir`` in place of the model there.
+
+    The previous model's files (:data:`~hf_lisa.train.output_dir.MODEL_FILE_PATTERNS`) go first, shard indexes and
+    weights before the rest, so that a lisa run's ``model.safetensors`` never stays beside a later adapter; then the
+    new files arrive, weights last and shard indexes after their shards. Every step is a rename on one file system: a
+    kill in between leaves a folder that no loader takes for a model, never a mix of two models or half of one.
+    Checkpoints, logs and other files in ``output_dir`` stay.
+    """
+    previous = [name for name in os.listdir(output_dir)
+                if matches(name, MODEL_FILE_PATTERNS) and os.path.isfile(os.path.join(output_dir, name))]
+    for name in sorted(previous, key=_weight_rank, reverse=True):
+        os.remove(os.path.join(output_dir, name))
+    for name in sorted(os.listdir(staging), key=_weight_rank):
+        os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
+    os.rmdir(staging)
+
+
+@contextmanager
+def staged_final_model(output_dir: str, should_save: bool) -> Iterator[str]:
+    """A staging folder (``output_dir/.partial-final``) for everything the final save writes: weights, tokenizer,
+    ``training_args.json``, summary, plot and card; moved into ``output_dir`` by :func:`publish_model_files` when the
+    block completes, removed when it raises. A full disk or a crash while writing leaves ``output_dir`` as it was.
+
+    Example:
+        ```py
+        >>> with staged_final_model(training_args.output_dir, training_args.should_save) as staging:  # doctest: +SKIP
+        ...     save_final_model(trainer, trainer.model, tokenizer, staging, "lisa")
+        ```
+    """
+    staging = os.path.join(output_dir, STAGING_PREFIX + "final")
+    if should_save:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    try:
+        yield staging
+        if should_save:
+            fsync_tree(staging)
+            publish_model_files(staging, output_dir)
+    finally:
+        if should_save:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _license_for(base_model_id: str) -> Optional[str]:

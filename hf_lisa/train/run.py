@@ -27,8 +27,11 @@ from .outputs import (
     build_training_summary,
     plot_losses,
     save_final_model,
+    staged_final_model,
     write_model_card,
 )
+from .output_dir import check_output_dir, clear_previous_run
+from .preflight import check_before_loading
 from .trainer import LisaTrainer
 
 logger = logging.getLogger("hf_lisa.train")
@@ -83,6 +86,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
     set_seed(training_args.seed)
+    check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
+    check_before_loading(model_args, lisa_args, training_args)  # the model's config on meta: seconds, no weights
 
     # -- data ----------------------------------------------------------------------------------------------------------
     bundled = data_args.train_file is None and data_args.dataset_name is None
@@ -99,12 +104,18 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         train_file=data_args.train_file, validation_file=data_args.validation_file,
         dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
         validation_split_percentage=data_args.validation_split_percentage, seed=training_args.seed,
-        cache_dir=model_args.cache_dir,
+        cache_dir=model_args.cache_dir, line_numbers=True,
     )
     if data_args.max_train_samples:
         raw["train"] = raw["train"].select(range(min(data_args.max_train_samples, len(raw["train"]))))
     if data_args.max_eval_samples and "validation" in raw:
         raw["validation"] = raw["validation"].select(range(min(data_args.max_eval_samples, len(raw["validation"]))))
+    # options, formats, a validation file against the training file, mixed formats: before the model loads
+    data_lib.check_data(
+        raw, data_args.max_seq_length, data_format=data_args.data_format, overlength=data_args.overlength,
+        on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
+            data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
+    )
 
     # -- model ---------------------------------------------------------------------------------------------------------
     path, base_model_id = resolve_model_path(model_args)
@@ -116,7 +127,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             chat_template=data_args.chat_template, text_column=data_args.text_column,
             prompt_column=data_args.prompt_column, completion_column=data_args.completion_column,
             messages_column=data_args.messages_column, num_proc=data_args.preprocessing_num_workers,
-            load_from_cache_file=not data_args.overwrite_cache,
+            load_from_cache_file=not data_args.overwrite_cache, on_bad_row=data_args.on_bad_row,
         )
     chat = data_lib.use_chat_template(tokenizer, data_args.chat_template)
     if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
@@ -186,6 +197,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         print(f"[{SUMMARY_PREFIX}] before training: {before_line}", flush=True)
 
     # -- train ---------------------------------------------------------------------------------------------------------
+    with training_args.main_process_first(desc="clearing what an earlier run left in output_dir"):
+        if training_args.should_save:
+            clear_previous_run(training_args)
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     metrics["train_loss"] = float(train_result.training_loss)
     evaluate_all("")
@@ -195,26 +209,29 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
 
     # -- outputs -------------------------------------------------------------------------------------------------------
     output_dir = training_args.output_dir
-    save_final_model(trainer, trainer.model, tokenizer, output_dir, lisa_args.method)
-    summary = build_training_summary(
-        model_args, data_args, lisa_args, training_args, base_model_id=base_model_id, lisa=lisa_knobs(lisa_args),
-        metrics=metrics, global_step=trainer.state.global_step, data_report=report, bundled=bundled,
-        trainable=start_info, started=started,
-    )
+    saved_mode = "adapter" if lisa_args.method in ADAPTER_METHODS else "merged"
+    # everything goes to a staging folder, moved into output_dir once complete: a crash leaves no half model
+    with staged_final_model(output_dir, training_args.should_save) as staging:
+        save_final_model(trainer, trainer.model, tokenizer, staging, lisa_args.method)
+        summary = build_training_summary(
+            model_args, data_args, lisa_args, training_args, base_model_id=base_model_id, lisa=lisa_knobs(lisa_args),
+            metrics=metrics, global_step=trainer.state.global_step, data_report=report, bundled=bundled,
+            trainable=start_info, started=started,
+        )
+        if trainer.is_world_process_zero():
+            plot = plot_losses(
+                trainer.state.log_history, os.path.join(staging, LOSS_PLOT_NAME),
+                before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
+                final_step=trainer.state.global_step,
+                title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
+            )
+            summary.loss_plot = LOSS_PLOT_NAME if plot else None
+            summary.save(staging)
+            # the card is rendered once, for the repo the run pushes to; the push uploads it if it keeps the saved form
+            card = write_model_card(staging, summary, saved_mode, repo_id=push_repo)
     pushed_to = None
     if trainer.is_world_process_zero():
-        plot = plot_losses(
-            trainer.state.log_history, os.path.join(output_dir, LOSS_PLOT_NAME),
-            before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
-            final_step=trainer.state.global_step,
-            title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
-        )
-        summary.loss_plot = LOSS_PLOT_NAME if plot else None
-        summary.save(output_dir)
-        saved_mode = "adapter" if lisa_args.method in ADAPTER_METHODS else "merged"
         push_mode = lisa_args.push_mode or saved_mode
-        # the card is rendered once, for the repo the run pushes to; the push uploads it when it keeps the saved form
-        card = write_model_card(output_dir, summary, saved_mode, repo_id=push_repo)
         kind = "adapter" if saved_mode == "adapter" else "full weights"
         extra = f", {LOSS_PLOT_NAME}" if plot else ""
         print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "

@@ -1,18 +1,85 @@
-"""The ``Trainer`` every method runs on: transformers' own, with optional layer-wise learning-rate decay."""
+"""The ``Trainer`` every method runs on: transformers' own, with optional layer-wise learning-rate decay, checkpoints
+that exist only once complete, no Hub token in what it saves, and a whole-run ``train_loss`` after a resume."""
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+from dataclasses import fields
 from typing import Optional
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
+
+from ..trainer_callbacks.state import ScheduleCheckpoint
+from .output_dir import STAGING_PREFIX, fsync_tree
+
+logger = logging.getLogger("hf_lisa.train")
+
+
+class _WholeRunLoss(TrainerCallback):
+    """Keeps ``train_loss`` a mean over every step of the run when training resumes from a checkpoint.
+
+    transformers averages ``train_loss`` over the steps of one ``train()`` call only. This callback has the loss logged
+    whenever a checkpoint is saved, so that a checkpoint's log history holds the loss of every step before it; on
+    resume it sums them (:attr:`earlier`), and :meth:`LisaTrainer.log` folds that sum into the final ``train_loss``.
+    """
+
+    def __init__(self) -> None:
+        self.resumed_at = 0
+        #: ``(steps, summed loss)`` of the steps before this ``train()`` call, from the log history; ``None`` when fresh
+        self.earlier: Optional[tuple[int, float]] = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.resumed_at, self.earlier = state.global_step, None
+        if not state.global_step:
+            return
+        steps, total = 0, 0.0
+        for entry in state.log_history:  # each "loss" is the mean over the steps since the previous one
+            if "loss" in entry and steps < entry.get("step", 0) <= state.global_step:
+                total += entry["loss"] * (entry["step"] - steps)
+                steps = entry["step"]
+        if steps < state.global_step:
+            logger.warning(
+                "The resumed checkpoint logs the training loss up to step %d of %d: train_loss leaves steps %d-%d out "
+                "(checkpoints that hf-lisa's LisaTrainer writes log the loss at every save).",
+                steps, state.global_step, steps + 1, state.global_step,
+            )
+        self.earlier = (steps, total)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and args.logging_strategy != IntervalStrategy.NO:
+            control.should_log = True  # drain the loss of the steps since the last log into the checkpoint's history
+
+    on_epoch_end = on_step_end
+
+    def whole_run(self, session_loss: float, global_step: int) -> float:
+        """The mean loss over the earlier steps and this call's, from this call's mean ``session_loss``."""
+        steps, total = self.earlier
+        session = global_step - self.resumed_at
+        return (total + session_loss * session) / max(steps + session, 1)
 
 
 class LisaTrainer(Trainer):
-    """``transformers.Trainer`` with optional layer-wise learning-rate decay (see [`hf_lisa.scheduler.param_groups`]).
+    """``transformers.Trainer`` with optional layer-wise learning-rate decay (see [`hf_lisa.scheduler.param_groups`]),
+    and safe saving:
+
+    * **Checkpoints appear only when complete.** ``checkpoint-N`` is written as ``.partial-checkpoint-N/checkpoint-N``
+      (model, optimizer, RNG and trainer state, and the LISA schedule's ``lisa_state.safetensors``) and renamed to
+      ``checkpoint-N`` once every process has written its part, so ``transformers.trainer_utils.get_last_checkpoint``
+      and ``--resume_from_checkpoint latest`` never pick up a save that a kill or a full disk interrupted. Files that
+      ``on_save`` callbacks add afterwards are outside that guarantee.
+    * **No Hub token in its saves.** The pickled ``training_args.bin`` of each checkpoint and ``save_model()`` is
+      written with ``hub_token`` unset; resuming never reads it. (transformers' own push, ``push_to_hub=True``, which
+      ``hf-lisa train`` never turns on, still pickles the arguments with the token into ``output_dir``.)
+    * **``train_loss`` over the whole run.** The loss is logged at every checkpoint, and a resumed ``train()`` reports
+      the mean over all steps since step 0, not only the resumed ones.
 
     The optimizer is built, as the Trainer's own, over every parameter that requires a gradient when training
     starts, i.e. before the LISA callbacks freeze anything: every candidate block has its parameter group. With
-    ``layerwise_lr_decay=1.0`` (the default) it is exactly ``transformers.Trainer``.
+    ``layerwise_lr_decay=1.0`` (the default) it builds exactly ``transformers.Trainer``'s optimizer.
 
     Args:
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
@@ -23,6 +90,9 @@ class LisaTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.layerwise_lr_decay = layerwise_lr_decay
         self.layers_attribute = layers_attribute
+        self._staging: Optional[str] = None  # the staging folder of the checkpoint being written
+        self._whole_run_loss = _WholeRunLoss()
+        self.add_callback(self._whole_run_loss)
 
     def create_optimizer(self, model=None):
         if self.layerwise_lr_decay >= 1.0 or self.optimizer is not None:
@@ -43,3 +113,67 @@ class LisaTrainer(Trainer):
         optimizer_kwargs.pop("lr", None)  # each group carries its own rate
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
+
+    # -- training loss over the whole run ------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        # log() turned the final "train_loss" into the whole-run mean; the returned value follows it
+        return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        if "train_loss" in logs and self._whole_run_loss.earlier is not None:
+            logs["train_loss"] = self._whole_run_loss.whole_run(logs["train_loss"], self.state.global_step)
+        super().log(logs, start_time)
+
+    # -- saving --------------------------------------------------------------------------------------------------------
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return run_dir if self._staging is None else os.path.join(run_dir, self._staging)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-N`` inside ``.partial-checkpoint-N/`` and rename it into place once complete."""
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        run_dir = self._get_output_dir(trial)
+        staging_root = os.path.join(run_dir, STAGING_PREFIX + name)
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        self._staging = STAGING_PREFIX + name  # the Trainer writes run_dir/<staging>/checkpoint-N
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                for callback in self.callback_handler.callbacks:
+                    if isinstance(callback, ScheduleCheckpoint):
+                        callback.save_pending_state(staged, self.state.global_step)
+            if self.state.best_model_checkpoint == staged:  # the Trainer recorded the folder it was writing
+                self.state.best_model_checkpoint = final
+                if self.args.should_save:
+                    self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+            self.accelerator.wait_for_everyone()  # every process has written its part (RNG states, shards)
+            if self.args.should_save and os.path.isdir(staged):
+                fsync_tree(staged)
+                if os.path.isdir(final):  # the same step saved again (a resumed run): the old folder goes aside
+                    os.replace(final, os.path.join(staging_root, "replaced"))
+                os.replace(staged, final)
+        finally:
+            self._staging = None
+            if self.args.should_save:
+                shutil.rmtree(staging_root, ignore_errors=True)
+        if self.args.push_to_hub:  # the Trainer's push of the checkpoint uploads in the background: from its place
+            super()._push_from_checkpoint(final)
+        if self.args.should_save:  # the Trainer rotated the staging folder; rotate the real ones
+            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._staging is None:  # while a checkpoint is staged, its push waits until it is in place
+            super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        # transformers pickles the arguments beside the weights (training_args.bin): without the Hub token
+        tokens = {f.name: getattr(self.args, f.name) for f in fields(self.args) if f.name.endswith("_token")}
+        for name in tokens:
+            setattr(self.args, name, None)
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            for name, value in tokens.items():
+                setattr(self.args, name, value)
