@@ -244,15 +244,15 @@ def test_lisa_trainer_best_checkpoint_is_the_published_folder(tiny_llama, token_
 def test_lisa_trainer_pushes_a_checkpoint_from_its_final_place(tiny_llama, token_dataset, training_args, monkeypatch):
     # transformers uploads a pushed checkpoint in the background: it must read the published folder, not the staging one
     import huggingface_hub.constants as hf_constants
-    import huggingface_hub.hf_api
+    import transformers.utils.hub
     from hub_server import HubServer
 
     server = HubServer()
     server.add_token("hf_write_token", user="alice", write=True)
     try:
         monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
-        # transformers calls huggingface_hub's module-level `create_repo`, bound to an HfApi built at import time
-        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
+        # transformers shares one HfApi, built on first use with the endpoint of that moment: build it afresh here
+        monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
         monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
         args = training_args(max_steps=2, save_strategy="steps", save_steps=2, push_to_hub=True,
