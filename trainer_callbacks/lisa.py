@@ -34,7 +34,7 @@ import torch
 
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
-from hf_lisa.tuner.config import check_lisa_settings
+from hf_lisa.tuner.config import _is_int, check_lisa_settings
 
 from .base import _LisaCallbackBase
 from .setup import check_engine, check_lisa_training_setup, probe_batch, tuner_of, unscaled_factor
@@ -51,10 +51,6 @@ _SCHEDULE_ARGUMENTS = {
     "lisa_sampling": "sampling",
     "lisa_optimizer_state_policy": "optimizer_state_policy",
 }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class LisaCallback(_LisaCallbackBase):

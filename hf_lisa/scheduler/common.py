@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 #: format of the saved schedule state; 3 keeps its tensors in ``lisa_state.safetensors`` (:mod:`.state`)
 SCHEDULER_STATE_VERSION = 3
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _numel(params: Iterable[torch.Tensor]) -> int:

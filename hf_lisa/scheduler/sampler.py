@@ -31,8 +31,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..tuner.config import LAYER_SAMPLING_STRATEGIES, check_lisa_settings
-from .common import _is_int
+from ..tuner.config import LAYER_SAMPLING_STRATEGIES, _is_int, check_lisa_settings
 
 __all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
 
