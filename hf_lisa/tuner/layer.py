@@ -255,6 +255,30 @@ class LisaLayer(BaseTunerLayer):
             return transpose(delta, self.fan_in_fan_out).to(weight_B.dtype)
         return transpose(self._delta_out_in(adapter_name), self.fan_in_fan_out)
 
+    def add_adapter_outputs(self, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``result + Σ s · x (M ⊙ (B A))ᵀ`` over the active adapters; the one adapter forward of every base type.
+
+        ``result`` is the base layer's output for ``x`` (whatever the base: ``nn.Linear``, ``Conv1D`` or a quantized
+        linear); it comes back in its own dtype.
+        """
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name not in self.lisa_A:
+                continue
+            lisa_A = self.lisa_A[name]
+            h = self.lisa_dropout[name](self._cast_input_dtype(x, lisa_A.weight.dtype))
+            if name in self.lisa_mask:
+                # sparse path: materialise M ⊙ (B A); its gradient is dL/dW of the effective weight, i.e. the
+                # importance score of seed 000, for masked-out entries too
+                delta = self._delta_out_in(name)
+                if self.lisa_track_importance and delta.requires_grad:
+                    delta.register_hook(lambda g, name=name: self._accumulate_gradient(name, g))
+                result = result + F.linear(h, delta.to(h.dtype))
+            else:
+                # dense path: exactly LoRA, two thin matmuls
+                result = result + self.lisa_B[name](lisa_A(h)) * self.scaling[name]
+        return result.to(result_dtype)
+
     def set_scale(self, adapter: str, scale: float) -> None:
         if adapter in self.scaling:
             self.scaling[adapter] = scale * self.lisa_alpha[adapter] / self.r[adapter]
@@ -326,23 +350,7 @@ class Linear(nn.Module, LisaLayer):
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
         result = self.base_layer(x, *args, **kwargs)
-        result_dtype = result.dtype
-        for name in self.active_adapters:
-            if name not in self.lisa_A:
-                continue
-            lisa_A = self.lisa_A[name]
-            h = self.lisa_dropout[name](self._cast_input_dtype(x, lisa_A.weight.dtype))
-            if name in self.lisa_mask:
-                # sparse path: materialise M ⊙ (B A); its gradient is dL/dW of the effective weight, i.e. the
-                # importance score of seed 000, for masked-out entries too
-                delta = self._delta_out_in(name)
-                if self.lisa_track_importance and delta.requires_grad:
-                    delta.register_hook(lambda g, name=name: self._accumulate_gradient(name, g))
-                result = result + F.linear(h, delta.to(h.dtype))
-            else:
-                # dense path: exactly LoRA, two thin matmuls
-                result = result + self.lisa_B[name](lisa_A(h)) * self.scaling[name]
-        return result.to(result_dtype)
+        return self.add_adapter_outputs(result, x)
 
     def __repr__(self) -> str:
         return "lisa." + super().__repr__()
