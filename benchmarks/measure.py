@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from benchmarks.presets import METHODS
 
@@ -47,20 +47,28 @@ def reset_peak_rss() -> bool:
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker: one method, one process
 # ----------------------------------------------------------------------------------------------------------------------
-def state_kind(method: str) -> str:
+def state_kind(method: str, lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:
+    """The :func:`benchmarks.theory.expected_state_bytes` kind of ``method`` (with the preset's ``lisa_extra``)."""
     spec = METHODS[method]
     if spec.naive:
         return "lisa-naive"
-    return {"full": "full", "lisa": "lisa", "lora": "lora", "lisa-adapter": "lisa-adapter"}[spec.train_method]
+    kind = {"full": "full", "lisa": "lisa", "lora": "lora", "dora": "lora",
+            "lisa-adapter": "lisa-adapter"}[spec.train_method]
+    always = dict(lisa_extra).get("lisa_always_trainable")
+    if kind == "lisa" and always is not None and all(str(v).lower() == "none" for v in always):
+        return "lisa-blocks"
+    return kind
 
 
 def make_recorder(
-    inventory, kind: str, config, schedule, withheld, device, estimate_kwargs: dict, probe_step: int
+    inventory, kind: str, config, schedule, withheld, device, estimate_kwargs: dict, probe_step: int,
+    state_bytes=None,
 ):
     """The measuring callback: per-step time, tokens, optimizer state (measured and from shapes), memory.
 
     ``estimate_kwargs`` go to :func:`benchmarks.theory.activation_bytes`; in step ``probe_step`` the bytes autograd
-    saves for the backward pass are measured too (that step is left out of the timing).
+    saves for the backward pass are measured too (that step is left out of the timing). ``state_bytes`` is the
+    optimizer's state bytes for a list of parameters (default: :func:`benchmarks.theory.adamw_state_bytes`).
     """
     import contextlib
 
@@ -69,6 +77,8 @@ def make_recorder(
 
     from benchmarks.theory import activation_bytes, adamw_state_bytes, block_kinds_for, expected_state_bytes
     from hf_lisa.scheduler import optimizer_state_bytes
+
+    state_bytes = state_bytes or adamw_state_bytes
 
     def sync():
         if device.type == "cuda":
@@ -147,9 +157,10 @@ def make_recorder(
             self.seen_blocks.update(active)
             trainable = [p for p in inventory.all_params if p.requires_grad]
             measured = optimizer_state_bytes(optimizer)
-            expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks))
+            expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks),
+                                            state_bytes=state_bytes)
             # sparse LISA adapters: factors still calibrating their mask get no update, hence no state yet
-            expected -= adamw_state_bytes(withheld())
+            expected -= state_bytes(withheld())
             kinds = block_kinds_for(kind, len(inventory.block_names), active, sparse=estimate_kwargs["sparse"],
                                     interpolation=estimate_kwargs["interpolation"])
             estimate = activation_bytes(
@@ -172,7 +183,7 @@ def make_recorder(
                     "padded_tokens": self.padded_tokens,
                     "optimizer_state_bytes": measured,
                     "expected_state_bytes": expected,
-                    "trainable_state_bytes": adamw_state_bytes(trainable),
+                    "trainable_state_bytes": state_bytes(trainable),
                     "trainable_params": sum(p.numel() for p in trainable),
                     "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
                     "active_blocks": sorted(active),

@@ -25,6 +25,10 @@ class MethodSpec:
         train_method: ``LisaArguments.method`` (``lisa-naive`` trains as ``full`` plus the naive callback).
         family: ``"full-parameter"`` or ``"adapter"``; selects the learning rate.
         lisa_overrides: extra ``LisaArguments`` fields (besides γ, K, r and alpha, which come from the preset).
+        model_overrides: extra ``ModelArguments`` fields, e.g. ``{"load_in_4bit": True}`` for a quantized base.
+        training_overrides: ``TrainingArguments`` fields that differ from the preset's, e.g. ``{"optim": ...}``.
+        bnb_8bit_embeddings: with a bitsandbytes 8-bit optimizer, keep the embedding's state in 8 bits too
+            (transformers' Trainer keeps ``nn.Embedding`` weights, and so a tied E/H, at 32 bits).
         naive: add ``benchmarks.naive_lisa.NaiveLisaCallback`` (requires_grad toggling only).
         description: one line for the table.
     """
@@ -33,6 +37,9 @@ class MethodSpec:
     train_method: str
     family: str
     lisa_overrides: dict = field(default_factory=dict)
+    model_overrides: dict = field(default_factory=dict)
+    training_overrides: dict = field(default_factory=dict)
+    bnb_8bit_embeddings: bool = False
     naive: bool = False
     description: str = ""
 
@@ -42,12 +49,17 @@ METHODS: dict[str, MethodSpec] = {
     for spec in (
         MethodSpec("full", "full", "full-parameter", description="every parameter trains"),
         MethodSpec("lora", "lora", "adapter", description="PEFT LoRA on all linear layers"),
+        MethodSpec("dora", "dora", "adapter", description="PEFT DoRA on all linear layers"),
         MethodSpec("lisa", "lisa", "full-parameter", description="hf-lisa full-parameter LISA, E+H+γL, state dropped"),
         MethodSpec(
             "lisa-naive", "full", "full-parameter", naive=True,
             description="LMFlow/axolotl callback: requires_grad toggling only, state kept",
         ),
         MethodSpec("lisa-adapter", "lisa-adapter", "adapter", description="LISA adapters (dense), γ blocks sampled"),
+        MethodSpec(
+            "lisa-adapter-4bit", "lisa-adapter", "adapter", model_overrides={"load_in_4bit": True},
+            description="LISA adapters (dense), γ blocks sampled, on a 4-bit NF4 base (bitsandbytes, QLoRA-style)",
+        ),
         MethodSpec(
             "lisa-adapter-sparse", "lisa-adapter", "adapter",
             lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2"},
@@ -57,11 +69,27 @@ METHODS: dict[str, MethodSpec] = {
             "lisa-adapter-interp", "lisa-adapter", "adapter", lisa_overrides={"layer_interpolation": True},
             description="LISA adapters (dense) + layer interpolation",
         ),
+        MethodSpec(
+            "lisa-fused", "lisa", "full-parameter", lisa_overrides={"optim_step_in_backward": True},
+            training_overrides={"max_grad_norm": 0.0},
+            description="lisa with AdamW stepped in the backward pass (--optim_step_in_backward; no clipping)",
+        ),
+        MethodSpec(
+            "lisa-adamw8bit", "lisa", "full-parameter", training_overrides={"optim": "adamw_bnb_8bit"},
+            description="lisa with bitsandbytes 8-bit AdamW (the Trainer keeps the tied E/H state at 32 bits)",
+        ),
+        MethodSpec(
+            "lisa-adamw8bit-eh", "lisa", "full-parameter", training_overrides={"optim": "adamw_bnb_8bit"},
+            bnb_8bit_embeddings=True, description="lisa with bitsandbytes 8-bit AdamW, the E/H state in 8 bits too",
+        ),
     )
 }
 
-#: the order of the tables; ratios are taken against ``lora`` and ``full``
-DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
+#: what ``make bench`` runs, in the order of the tables; ratios are taken against ``lora`` and ``full``. The other
+#: methods (``dora`` and the variants the studies add) run when ``--methods`` names them.
+DEFAULT_METHODS: tuple[str, ...] = (
+    "full", "lora", "lisa", "lisa-naive", "lisa-adapter", "lisa-adapter-sparse", "lisa-adapter-interp",
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,10 @@ class Preset:
         importance_steps: calibration batches of the sparse adapter's importance-based first mask.
         seed: seed of everything (model wrapping, data order, LISA's sampler).
         methods: the methods run by default.
+        cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"lean"`` (its default: glibc's mmap
+            threshold fixed, freed tensors leave the heap) or ``"default"`` (glibc's own dynamic threshold).
+        lisa_extra: further ``LisaArguments`` fields as ``(name, value)`` pairs, applied to every method after its
+            own overrides (``benchmarks/sweep.py`` uses it for one-lever-at-a-time studies).
     """
 
     name: str
@@ -114,6 +146,8 @@ class Preset:
     importance_steps: int = 8
     seed: int = 42
     methods: tuple[str, ...] = DEFAULT_METHODS
+    cpu_allocator: str = "lean"
+    lisa_extra: tuple[tuple[str, Any], ...] = ()
 
     def updated(self, **overrides: Any) -> "Preset":
         """A copy with the non-``None`` ``overrides`` applied; unknown names raise ``TypeError``."""

@@ -144,6 +144,16 @@ def render_markdown(report: dict) -> str:
         + (f" (the paper's K is 20; this preset uses {k} so that {math.ceil(preset['steps'] / k)} active sets occur "
            f"in {preset['steps']} steps)" if k != 20 else ""),
     ]
+    applied = [r.get("cpu_allocator", {}).get("applied") for r in ok]
+    if any(applied):
+        lines.append(f"- **CPU allocator:** {applied[0] or 'glibc defaults'} (`hf-lisa train --cpu_allocator "
+                     f"{preset.get('cpu_allocator', 'lean')}`; `compare.py --cpu-allocator default` measures glibc's own)")
+    elif preset.get("cpu_allocator") == "default":
+        lines.append("- **CPU allocator:** glibc's defaults (`--cpu-allocator default`: dynamic mmap threshold)")
+    overrides = [f"`{r['method']}` " + ", ".join(f"{k}={v}" for k, v in r["training_overrides"].items())
+                 for r in ok if r.get("training_overrides")]
+    if overrides:
+        lines.append(f"- **Per-method training settings:** {'; '.join(overrides)}")
     if report.get("in_process"):
         lines.append("- **In-process run:** every method ran in one process, so peak memory is shared and not "
                      "comparable between methods.")
@@ -245,7 +255,7 @@ def render_markdown(report: dict) -> str:
             formula_ends.append(steps[-1]["expected_state_bytes"])
         rows.append([
             f"`{r['method']}`",
-            formulas.get(kind, kind),
+            formulas.get(kind, kind) + (f"; {r['state_formula']}" if r.get("state_formula") else ""),
             " → ".join(_mib(v) for v in formula_ends),
             f"{state['steps_equal_to_formula']}/{len(steps)}",
             f"{state['max_abs_diff_from_formula']:,}",

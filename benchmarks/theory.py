@@ -7,13 +7,15 @@ can put a measured number beside the number physics asks for:
   per parameter tensor, for the parameters that hold state. For LISA that is E+H (plus the final norm) and γ blocks;
   for the naive callback it is E+H plus every block ever activated; for full fine-tuning every parameter;
 * **memory floor** = weights + gradients of the trainable set + optimizer state + an activation estimate
-  (:func:`activation_bytes`, formula stated in its docstring).
+  (:func:`activation_bytes`, formula stated in its docstring);
+* the same floor from a llama-style **config alone** (:func:`config_floor`, :func:`config_shapes`), for models too
+  big to build just to learn that they do not fit (``benchmarks/scaling.py`` checks each cell with it first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Collection, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +34,35 @@ def adamw_state_bytes(params: Iterable[torch.Tensor]) -> int:
         136
     """
     return sum(2 * p.numel() * p.element_size() + ADAMW_STEP_BYTES for p in params)
+
+
+#: bitsandbytes' 8-bit optimizers: blockwise quantisation in blocks of 256 values, one float32 absmax per block and
+#: moment; tensors under 4096 elements (``min_8bit_size``) keep 32-bit state; 256-entry float32 code books per moment
+BNB_BLOCK_SIZE, BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES = 256, 4096, 256 * 4
+
+
+def adamw8bit_state_bytes(params: Iterable[torch.Tensor], fp32: Collection[int] = ()) -> int:
+    """Bytes of bitsandbytes' 8-bit AdamW state (``optim_bits=8``) for ``params``, as
+    :func:`hf_lisa.scheduler.optimizer_state_bytes` counts them.
+
+    Per tensor: two uint8 moments, two float32 absmax per 256-value block and the two shared 256-entry float32 code
+    books (counted per tensor, as the state dict references them); tensors under 4096 elements, and those whose
+    ``id`` is in ``fp32`` (transformers keeps ``nn.Embedding`` weights at 32 bits), hold two float32 moments. The
+    step counter is a Python int (no tensor).
+
+    Example:
+        >>> import torch
+        >>> adamw8bit_state_bytes([torch.zeros(5000, 64), torch.zeros(100)])
+        652848
+    """
+    total = 0
+    for p in params:
+        n = p.numel()
+        if n < BNB_MIN_8BIT_SIZE or id(p) in fp32:
+            total += 2 * 4 * n
+        else:
+            total += 2 * n + 2 * 4 * -(-n // BNB_BLOCK_SIZE) + 2 * BNB_QMAP_BYTES
+    return total
 
 
 def _bytes(params: Iterable[torch.Tensor]) -> int:
@@ -129,38 +160,45 @@ def parameter_inventory(model: nn.Module, layers_attribute: Optional[str] = None
 
 
 def expected_state_bytes(
-    inventory: ParameterInventory, kind: str, active: Sequence[int] = (), seen: Sequence[int] = ()
+    inventory: ParameterInventory, kind: str, active: Sequence[int] = (), seen: Sequence[int] = (),
+    state_bytes: Callable[[Iterable[torch.Tensor]], int] = adamw_state_bytes,
 ) -> int:
-    """AdamW state bytes each method must hold after an optimizer step, from shapes alone.
+    """Optimizer state bytes (AdamW's unless ``state_bytes`` says otherwise) each method must hold after an optimizer
+    step, from shapes alone.
 
     Args:
         inventory: the model's :class:`ParameterInventory`.
-        kind: ``"full"`` (every parameter), ``"lisa"`` (E+H+norm + the ``active`` blocks: E+H+γL),
+        kind: ``"full"`` (every parameter), ``"lisa"`` (E+H+norm + the ``active`` blocks: E+H+γL), ``"lisa-blocks"``
+            (the ``active`` blocks only: E+H frozen),
             ``"lisa-naive"`` (E+H+norm + every block in ``seen``: nothing is ever dropped), ``"lora"`` (every
             adapter parameter) or ``"lisa-adapter"`` (adapter parameters outside the blocks + the ``active`` blocks'
             adapters).
         active: indices of the blocks active in this step.
         seen: indices of every block active so far (``"lisa-naive"``).
+        state_bytes: the optimizer's state bytes for a list of parameters: :func:`adamw_state_bytes` (torch AdamW),
+            or e.g. :func:`adamw8bit_state_bytes` (bitsandbytes' 8-bit AdamW).
     """
     if kind == "full":
-        return adamw_state_bytes(inventory.all_params)
+        return state_bytes(inventory.all_params)
     if kind == "lisa":
-        return adamw_state_bytes(inventory.outside_base) + sum(
-            adamw_state_bytes(inventory.block_base[b]) for b in set(active)
+        return state_bytes(inventory.outside_base) + sum(
+            state_bytes(inventory.block_base[b]) for b in set(active)
         )
+    if kind == "lisa-blocks":  # E+H frozen (always_trainable=()): the active blocks only
+        return sum(state_bytes(inventory.block_base[b]) for b in set(active))
     if kind == "lisa-naive":
-        return adamw_state_bytes(inventory.outside_base) + sum(
-            adamw_state_bytes(inventory.block_base[b]) for b in set(seen)
+        return state_bytes(inventory.outside_base) + sum(
+            state_bytes(inventory.block_base[b]) for b in set(seen)
         )
     if kind == "lora":
-        return adamw_state_bytes(inventory.outside_adapter) + sum(
-            adamw_state_bytes(b) for b in inventory.block_adapter
+        return state_bytes(inventory.outside_adapter) + sum(
+            state_bytes(b) for b in inventory.block_adapter
         )
     if kind == "lisa-adapter":
-        return adamw_state_bytes(inventory.outside_adapter) + sum(
-            adamw_state_bytes(inventory.block_adapter[b]) for b in set(active)
+        return state_bytes(inventory.outside_adapter) + sum(
+            state_bytes(inventory.block_adapter[b]) for b in set(active)
         )
-    raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lora, lisa-adapter.")
+    raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lisa-blocks, lora, lisa-adapter.")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -262,9 +300,9 @@ def block_kinds_for(kind: str, num_blocks: int, active: Sequence[int], sparse: b
         return ["train"] * num_blocks
     if kind == "lora":
         return ["adapter-sparse" if sparse else "adapter"] * num_blocks
-    if kind in ("lisa", "lisa-naive"):
+    if kind in ("lisa", "lisa-naive", "lisa-blocks"):
         kinds = ["train" if b in active else "frozen" for b in range(num_blocks)]
-        lowest = 0 if embeddings_train else min(active, default=num_blocks)
+        lowest = 0 if embeddings_train and kind != "lisa-blocks" else min(active, default=num_blocks)
     elif kind == "lisa-adapter":
         frozen = "frozen-sparse" if sparse else "frozen"
         kinds = [("adapter-sparse" if sparse else "adapter") if b in active else frozen for b in range(num_blocks)]
@@ -274,5 +312,127 @@ def block_kinds_for(kind: str, num_blocks: int, active: Sequence[int], sparse: b
         if interpolation:
             lowest = min(lowest, 1)
     else:
-        raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lora, lisa-adapter.")
+        raise ValueError(f"kind={kind!r} is invalid; allowed: full, lisa, lisa-naive, lisa-blocks, lora, lisa-adapter.")
     return ["none" if b < lowest else k for b, k in enumerate(kinds)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Floors from a config alone: no model is built (the scaling preset checks a cell against the machine before it runs)
+# ----------------------------------------------------------------------------------------------------------------------
+#: the methods :func:`config_floor` knows
+CONFIG_FLOOR_METHODS = ("full", "lora", "lisa")
+
+
+@dataclass(frozen=True)
+class ConfigShapes:
+    """Element counts of a llama-style decoder's parameter tensors, read from its config (tied E/H counted once).
+
+    Attributes:
+        outside: tensors outside the blocks: the embedding, the LM head unless tied, the final norm.
+        block: one block's tensors (q, k, v, o, gate, up, down, biases if any, the two norms); blocks are identical.
+        linears: ``(in_features, out_features)`` of one block's seven linear layers (where LoRA adapters go).
+        num_blocks: ``num_hidden_layers``.
+    """
+
+    outside: tuple[int, ...]
+    block: tuple[int, ...]
+    linears: tuple[tuple[int, int], ...]
+    num_blocks: int
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.outside) + self.num_blocks * sum(self.block)
+
+    def adapter_block(self, rank: int) -> tuple[int, ...]:
+        """One block's LoRA tensors at rank ``rank``: ``A`` (r x in) and ``B`` (out x r) per linear."""
+        return tuple(n for fan_in, fan_out in self.linears for n in (rank * fan_in, fan_out * rank))
+
+
+def config_shapes(config) -> ConfigShapes:
+    """The parameter shapes of a llama-style causal LM (``LlamaForCausalLM`` and its look-alikes) from its config.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> shapes = config_shapes(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+        ...                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=32,
+        ...                                    tie_word_embeddings=True))
+        >>> shapes.outside, sum(shapes.block), shapes.total_params
+        ((256, 8), 592, 1448)
+    """
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise ValueError(f"config.{name}={getattr(config, name, None)!r} is invalid; config_shapes needs a "
+                             "llama-style config with an integer for each of hidden_size, intermediate_size, "
+                             "num_attention_heads, num_hidden_layers and vocab_size.")
+    d = _config_dims(config)
+    h, q, kv, i, vocab = d["h"], d["q"], d["kv"], d["i"], d["V"]
+    linears = ((h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h))  # q k v o gate up down
+    block = [fan_in * fan_out for fan_in, fan_out in linears]
+    if getattr(config, "attention_bias", False):
+        block += [q, kv, kv, h]
+    if getattr(config, "mlp_bias", False):
+        block += [i, i, h]
+    block += [h, h]  # input and post-attention RMSNorm
+    tied = getattr(config, "tie_word_embeddings", True)
+    outside = (vocab * h,) + (() if tied else (vocab * h,)) + (h,)
+    return ConfigShapes(outside, tuple(block), linears, config.num_hidden_layers)
+
+
+def _adamw_numel_bytes(numels: Iterable[int], param_bytes: int) -> int:
+    return sum(2 * n * param_bytes + ADAMW_STEP_BYTES for n in numels)
+
+
+def config_floor(
+    config,
+    method: str,
+    tokens: int,
+    activated_layers: int = 2,
+    lora_r: int = 16,
+    param_bytes: int = 4,
+    act_bytes: int = 4,
+) -> dict[str, int]:
+    """The memory floor of one training step from the config alone, in bytes: the same sum as the benchmark's floor
+    (weights + gradients of the trainable set + AdamW state + :func:`activation_bytes`) without building the model.
+
+    Args:
+        config: a llama-style config (:func:`config_shapes`).
+        method: ``"full"`` (everything trains), ``"lora"`` (LoRA of rank ``lora_r`` on the seven linears of every
+            block, the base frozen) or ``"lisa"`` (E+H+final norm and ``activated_layers`` blocks train).
+        tokens: tokens in the batch (rows x length; no padding).
+        activated_layers: γ of LISA.
+        lora_r: LoRA rank.
+        param_bytes: bytes per parameter (4 for fp32 weights, also the master weights under bf16 autocast).
+        act_bytes: bytes per saved activation (4 in fp32, 2 under bf16 autocast).
+
+    Returns:
+        ``weights_bytes``, ``grad_bytes``, ``optimizer_state_bytes``, ``activation_bytes``, ``total_bytes``,
+        ``total_params`` and ``trainable_params``.
+    """
+    if method not in CONFIG_FLOOR_METHODS:
+        raise ValueError(f"method={method!r} is invalid; allowed: {', '.join(CONFIG_FLOOR_METHODS)}.")
+    shapes = config_shapes(config)
+    layers = shapes.num_blocks
+    if method == "lisa" and not 0 < activated_layers <= layers:
+        raise ValueError(f"activated_layers={activated_layers} is invalid; allowed: 1..{layers} (num_hidden_layers).")
+    weights = list(shapes.outside) + list(shapes.block) * layers
+    if method == "full":
+        trainable = weights
+    elif method == "lisa":
+        trainable = list(shapes.outside) + list(shapes.block) * activated_layers
+    else:
+        trainable = list(shapes.adapter_block(lora_r)) * layers
+        weights = weights + trainable
+    kinds = block_kinds_for(method, layers, active=range(activated_layers))
+    activations = activation_bytes(config, tokens, kinds, act_bytes=act_bytes,
+                                   adapter_rank=lora_r if method == "lora" else 0, head_trains=method != "lora")
+    floor = {
+        "weights_bytes": sum(weights) * param_bytes,
+        "grad_bytes": sum(trainable) * param_bytes,
+        "optimizer_state_bytes": _adamw_numel_bytes(trainable, param_bytes),
+        "activation_bytes": activations,
+        "total_params": sum(weights),
+        "trainable_params": sum(trainable),
+    }
+    floor["total_bytes"] = (floor["weights_bytes"] + floor["grad_bytes"] + floor["optimizer_state_bytes"]
+                            + activations)
+    return floor

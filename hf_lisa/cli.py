@@ -5,6 +5,7 @@
     hf-lisa train [CONFIG.yaml] [--key value ...]   fine-tune (same as `accelerate launch -m hf_lisa.train ...`)
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
+    hf-lisa export {lora,gguf,merged} SOURCE OUT [...]   LoRA adapter / GGUF file / merged weights for serving
     hf-lisa config-reference [--format markdown|text] [--update-docs [FILE ...]]   (README.md, docs/training.md)
 
 ``train`` and ``demo`` hand the rest of the command line to ``hf-lisa train``'s ``HfArgumentParser``
@@ -24,7 +25,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-COMMANDS = ("train", "demo", "push", "config-reference")
+COMMANDS = ("train", "demo", "push", "export", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
 DOC_FILES = ("README.md", "docs/training.md")
@@ -135,6 +136,12 @@ def _push(args: argparse.Namespace) -> int:
     return push_command(args)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .export.cli import export_command
+
+    return export_command(args)
+
+
 def _config_reference(args: argparse.Namespace) -> int:
     if args.update_docs is not None:
         for target in args.update_docs or DOC_FILES:
@@ -147,6 +154,7 @@ def _config_reference(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-lisa`` parser: one subcommand per job, each with its handler as ``func``."""
+    from .export.cli import EXPORT_DESCRIPTION, add_export_arguments
     from .hub.cli import PUSH_DESCRIPTION, add_push_arguments
 
     parser = argparse.ArgumentParser(prog="hf-lisa", description="LISA fine-tuning for the Hugging Face stack.")
@@ -161,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         commands.add_parser(name, help=summary, add_help=False).set_defaults(func=func, takes_train_options=True)
     push = commands.add_parser("push", help="push a training output to the Hub", description=PUSH_DESCRIPTION)
     add_push_arguments(push).set_defaults(func=_push)
+    export = commands.add_parser("export", help="export for serving: lora, gguf or merged",
+                                 description=EXPORT_DESCRIPTION)
+    add_export_arguments(export).set_defaults(func=_export)
     reference = commands.add_parser(
         "config-reference", help="print the options of hf-lisa train, or regenerate the docs' reference sections"
     )

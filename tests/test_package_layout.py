@@ -107,7 +107,7 @@ LAYERS = (
     ("hf_lisa.distributed",),
     ("hf_lisa.trainer_callbacks",),
     ("hf_lisa.hub", "hf_lisa.model_cards"),
-    ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task"),
+    ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task", "hf_lisa.export"),
 )
 
 

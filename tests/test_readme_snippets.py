@@ -134,6 +134,14 @@ def check_trl(ns: dict) -> None:
     assert lisa.layer_scheduler.num_active == 2
 
 
+def check_quantized_base(ns: dict) -> None:
+    import bitsandbytes as bnb
+
+    layers = _layers(ns["model"], "lisa")
+    assert layers and all(isinstance(m.get_base_layer(), bnb.nn.Linear4bit) for m in layers.values())
+    assert all(m.lisa_mask_spec["default"]["sparsity"] == 0.4 for m in layers.values())
+
+
 def check_loads_published(repo_id: str) -> Callable[[dict], None]:
     def check(ns: dict) -> None:
         from peft import PeftModel, get_peft_model_state_dict
@@ -176,6 +184,7 @@ class Snippet:
     check: Optional[Callable[[dict], None]] = None
     provides: Optional[Callable[[], dict]] = None
     server_check: Optional[Callable[[dict], None]] = None
+    needs: Optional[str] = None  # an optional package the block imports: the test skips without it
 
 
 SNIPPETS = {
@@ -183,6 +192,7 @@ SNIPPETS = {
     "The Trainer API in your own code [1]": Snippet(check=check_trainer_api),
     "With TRL [1]": Snippet(check=check_trl),
     "A Hub adapter [1]": Snippet(check=check_loads_published("me/smollm2-lisa")),
+    "Quantized bases (QLoRA-style) [1]": Snippet(check=check_quantized_base, needs="bitsandbytes"),
     "Share on the Hub [1]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
     "Share on the Hub [2]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
     "Two ways to push [1]": Snippet(provides=provide_push_inputs, server_check=check_pushes_on_the_server),
@@ -303,6 +313,8 @@ def test_every_readme_snippet_is_listed():
 
 @pytest.mark.parametrize("key", list(SNIPPETS))
 def test_readme_snippet_runs_and_does_what_it_says(readme_run, key):
+    if SNIPPETS[key].needs:
+        pytest.importorskip(SNIPPETS[key].needs)
     result = readme_run["report"].get(key)
     proc = readme_run["proc"]
     assert result is not None, f"{key!r} did not run (exit {proc.returncode}): {proc.stderr[-4000:]}"

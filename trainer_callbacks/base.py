@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
 from hf_lisa.scheduler.optim_state import optimizer_state_bytes
+from hf_lisa.scheduler.step_in_backward import steps_in_backward
 
 from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size
 from .state import ScheduleCheckpoint
@@ -82,6 +83,17 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
                     "hf_lisa.distributed.configure_trainer_for_lisa(trainer) before trainer.train()."
                 )
             self._configure(trainer)
+
+    def _check_gradients_reachable(self, optimizer, readers: list[str]) -> None:
+        """Refuse an optimizer that applies and frees each gradient inside the backward pass (``AdamWInBackward``,
+        ``--optim_step_in_backward``) when this schedule reads or adds gradients after it (``readers``)."""
+        readers = [r for r in readers if r]
+        if readers and steps_in_backward(optimizer) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: {' and '.join(readers)} read(s) or add(s) gradients after the backward pass, "
+                "but the optimizer (AdamWInBackward, optim_step_in_backward=True) applies and frees each gradient "
+                "inside it. Use a plain AdamW, or drop what needs the gradients (e.g. sampling='uniform')."
+            )
 
     # -- the step ------------------------------------------------------------------------------------------------------
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):

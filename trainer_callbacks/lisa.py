@@ -147,6 +147,7 @@ class LisaCallback(_LisaCallbackBase):
         )
         check_engine(args, model, optimizer, scheduler, form="full-parameter LISA")
         self._check_configured(args)
+        self._check_gradients_reachable(optimizer, ["importance sampling" if self.sampling == "importance" else ""])
         if scheduler.head_params:
             names = {id(p): n for n, p in model.named_parameters()}
             logger.info(
@@ -313,6 +314,10 @@ class LisaAdapterCallback(_LisaCallbackBase):
             )
         check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching")
         self._check_configured(args)
+        self._check_gradients_reachable(optimizer, [
+            "importance sampling" if layer_scheduler is not None and layer_scheduler.strategy == "importance" else "",
+            "sparse-mask selection" if mask_scheduler is not None else "",
+            "the interpolation penalty" if interpolation else ""])
         if interpolation:
             # the penalty is applied as a gradient once per optimizer step (see _apply_penalty), never via the loss
             tuner.interpolation_penalty_in_loss = False

@@ -39,6 +39,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
+from hf_lisa.scheduler.step_in_backward import steps_in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class TrainingMonitorCallback(TrainerCallback):
         self._groups: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
         self._block_params: list[list[torch.nn.Parameter]] = []
         self._snapshot: Optional[dict[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = None
+        self._snapshot_hook = None  # with AdamW stepping in backward: the hook that fills the snapshot
         self._pending: dict[str, float] = {}
 
     # -- wiring --------------------------------------------------------------------------------------------------------
@@ -150,9 +152,26 @@ class TrainingMonitorCallback(TrainerCallback):
         every = state.logging_steps or args.logging_steps
         return bool(every) and step % max(int(every), 1) == 0
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        # AdamW stepping in the backward pass (--optim_step_in_backward): copy each parameter just before its update
+        stepping = steps_in_backward(optimizer)
+        if stepping is None or not self.update_ratio or not self._will_log(args, state):
+            return
+        group_of = {id(p): group for group, params in self._groups for _, p in params}
+        snapshot: dict[str, list] = {group: [] for group, _ in self._groups}
+
+        def copy(p: torch.nn.Parameter) -> None:
+            if id(p) in group_of:
+                snapshot[group_of[id(p)]].append((p, _local(p.detach()).float().clone()))
+
+        self._snapshot, self._snapshot_hook = snapshot, stepping.register_update_pre_hook(copy)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        stepping = steps_in_backward(optimizer)
         grads = [p.grad for _, params in self._groups for _, p in params if p.grad is not None]
-        if grads:
+        if stepping is not None:  # the gradients were applied and freed in the backward pass; the hooks measured them
+            grad_norm = stepping.grad_norm()
+        elif grads:
             norms = torch.stack([torch.linalg.vector_norm(_local(g).detach().float()) for g in grads])
             grad_norm = float(torch.linalg.vector_norm(norms))
         else:
@@ -160,11 +179,12 @@ class TrainingMonitorCallback(TrainerCallback):
         self.last_grad_norm = grad_norm
         # below the clipping threshold the applied norm is the raw norm, so a plateau is detected exactly
         self._check_plateau(grad_norm, state.global_step + 1)
-        self._snapshot = None
+        if stepping is None:
+            self._snapshot = None
         if self._will_log(args, state):
             self._pending[self.prefix + "grad_norm"] = grad_norm
             self._pending[self.prefix + "grad_norm_applied"] = grad_norm
-            if self.update_ratio:
+            if self.update_ratio and stepping is None:
                 self._snapshot = {
                     group: [(p, _local(p.detach()).float().clone()) for _, p in params if p.grad is not None]
                     for group, params in self._groups
@@ -187,6 +207,9 @@ class TrainingMonitorCallback(TrainerCallback):
             self.plateau_count = 0
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._snapshot_hook is not None:
+            self._snapshot_hook.remove()
+            self._snapshot_hook = None
         if self._snapshot is None:
             return
         for group, params in self._groups:

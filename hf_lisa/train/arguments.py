@@ -18,6 +18,8 @@ import torch
 from ..errors import UsageError
 from ..tuner.config import LisaConfig, lisa_config_fields
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
+from .memory import check_memory_options, memory_fields
+from .quantization import check_quantization, quantization_fields
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -35,7 +37,7 @@ PUSH_MODES = ("adapter", "merged")
 # Arguments
 # ----------------------------------------------------------------------------------------------------------------------
 @dataclass
-class ModelArguments:
+class _ModelSourceArguments:
     """Which model to fine-tune and how to load it."""
 
     model_name_or_path: Optional[str] = field(
@@ -70,6 +72,13 @@ class ModelArguments:
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "Where Hub models and datasets are cached (transformers' cache_dir)."}
     )
+
+
+#: the model's source and loading options, then the bitsandbytes quantization ones (``hf_lisa.train.quantization``)
+ModelArguments = dataclasses.make_dataclass(
+    "ModelArguments", quantization_fields(), bases=(_ModelSourceArguments,),
+    namespace={"__module__": __name__, "__doc__": _ModelSourceArguments.__doc__},
+)
 
 
 @dataclass
@@ -317,7 +326,7 @@ def _option(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
 
 LisaArguments = dataclasses.make_dataclass(
     "LisaArguments",
-    [_option(f) for f in lisa_config_fields() if f.name in LISA_CONFIG_OPTIONS],
+    [_option(f) for f in lisa_config_fields() if f.name in LISA_CONFIG_OPTIONS] + memory_fields(),
     bases=(_MethodArguments,),
     namespace={
         "__module__": __name__,
@@ -458,6 +467,8 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
     check_method_options(lisa_args)
+    check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
+    check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses
     settings = {**lisa_config_kwargs(lisa_args), "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy}
     used = {name: value for name, value in settings.items() if method in OPTION_METHODS[name]}
     check_lisa_settings(used, where=f"--method {method} --", allow_every_block=method != "lisa")

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from .arguments import ADAPTER_METHODS, LISA_CONFIG_OPTIONS, METHODS, LisaArguments, ModelArguments, lisa_config_kwargs
+from .memory import STEP_IN_BACKWARD_METHODS
+from .quantization import bnb_config
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -43,6 +45,9 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
         trust_remote_code=model_args.trust_remote_code,
     )
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
+    quantization = bnb_config(model_args)  # --load_in_4bit / --load_in_8bit, else None
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=model_args.attn_implementation, **kwargs
     )
@@ -94,6 +99,9 @@ OPTION_METHODS: dict[str, tuple[str, ...]] = {
          "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "push_mode"),
         METHODS,
     ),
+    # AdamW stepped in the backward pass: the full-parameter methods (hf_lisa.train.memory)
+    "optim_step_in_backward": STEP_IN_BACKWARD_METHODS,
+    "cpu_allocator": METHODS,
 }
 
 

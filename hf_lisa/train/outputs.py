@@ -15,6 +15,7 @@ from torch import nn
 
 from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
 from .output_dir import MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches
+from .quantization import parameter_count
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -57,7 +58,7 @@ def trainable_summary(model: nn.Module, layers_attribute: Optional[str] = None) 
         if id(param) in seen:
             continue
         seen.add(id(param))
-        total += param.numel()
+        total += parameter_count(param)  # 4-bit weights pack two per byte
         if not param.requires_grad:
             continue
         block = index.block_of(name)

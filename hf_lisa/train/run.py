@@ -18,6 +18,7 @@ from .evaluation import (
     generation_rows,
     preprocess_logits_for_metrics,
 )
+from .memory import apply_cpu_allocator
 from .methods import apply_method, lisa_knobs, load_model_and_tokenizer, resolve_model_path
 from .outputs import (
     LOSS_PLOT_NAME,
@@ -32,6 +33,7 @@ from .outputs import (
 )
 from .output_dir import check_output_dir, clear_previous_run
 from .preflight import check_before_loading
+from .quantization import prepare_quantized_model
 from .trainer import LisaTrainer
 
 logger = logging.getLogger("hf_lisa.train")
@@ -85,6 +87,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     training_args.push_to_hub = False
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
+    allocator = apply_cpu_allocator(lisa_args.cpu_allocator, on_cpu=training_args.device.type == "cpu")
+    if allocator:
+        logger.info(allocator)
     set_seed(training_args.seed)
     check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
     check_before_loading(model_args, lisa_args, training_args)  # the model's config on meta: seconds, no weights
@@ -130,6 +135,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             load_from_cache_file=not data_args.overwrite_cache, on_bad_row=data_args.on_bad_row,
         )
     chat = data_lib.use_chat_template(tokenizer, data_args.chat_template)
+    model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
     if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
@@ -158,6 +164,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         callbacks=callbacks,
         layerwise_lr_decay=lisa_args.layerwise_lr_decay,
         layers_attribute=lisa_args.lisa_layers_attribute,
+        optim_step_in_backward=lisa_args.optim_step_in_backward,
     )
     monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
     _pin_tensorboard_logging_dir(trainer)

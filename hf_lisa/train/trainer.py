@@ -13,7 +13,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
+from ..scheduler.step_in_backward import steps_in_backward
 from ..trainer_callbacks.state import ScheduleCheckpoint
+from .memory import step_in_backward_optimizer
 from .output_dir import STAGING_PREFIX, fsync_tree
 
 logger = logging.getLogger("hf_lisa.train")
@@ -81,20 +83,35 @@ class LisaTrainer(Trainer):
     starts, i.e. before the LISA callbacks freeze anything: every candidate block has its parameter group. With
     ``layerwise_lr_decay=1.0`` (the default) it builds exactly ``transformers.Trainer``'s optimizer.
 
+    With ``optim_step_in_backward=True`` the optimizer is [`~hf_lisa.scheduler.step_in_backward.AdamWInBackward`]:
+    AdamW updates each parameter inside the backward pass and frees its gradient (see :mod:`hf_lisa.train.memory`
+    for what that excludes); its hooks are armed during ``train()`` only, and the logged ``grad_norm`` is the norm
+    the hooks measured.
+
     Args:
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
         layers_attribute: dotted path of the block list, when auto-detection cannot find it.
+        optim_step_in_backward: step AdamW in the backward pass (one process, no gradient accumulation or clipping).
     """
 
-    def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None, **kwargs):
+    def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None,
+                 optim_step_in_backward: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.layerwise_lr_decay = layerwise_lr_decay
         self.layers_attribute = layers_attribute
+        self.optim_step_in_backward = optim_step_in_backward
+        if optim_step_in_backward and self.optimizer is not None and steps_in_backward(self.optimizer) is None:
+            raise ValueError(
+                "optim_step_in_backward=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
+                f"optimizers=({type(self.optimizer).__name__}, ...); pass one or the other."
+            )
         self._staging: Optional[str] = None  # the staging folder of the checkpoint being written
         self._whole_run_loss = _WholeRunLoss()
         self.add_callback(self._whole_run_loss)
 
     def create_optimizer(self, model=None):
+        if self.optim_step_in_backward and self.optimizer is None:  # the Trainer's AdamW, stepping in backward
+            self.optimizer_cls_and_kwargs = step_in_backward_optimizer(self, self.model if model is None else model)
         if self.layerwise_lr_decay >= 1.0 or self.optimizer is not None:
             return super().create_optimizer(model)
         from ..scheduler.param_groups import layerwise_lr_decay_param_groups
@@ -109,14 +126,32 @@ class LisaTrainer(Trainer):
             - set(self.get_decay_parameter_names(opt_model)),
             layers_attribute=self.layers_attribute,
         )
-        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        if self.optim_step_in_backward:
+            optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_kwargs = dict(optimizer_kwargs)
         optimizer_kwargs.pop("lr", None)  # each group carries its own rate
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
 
-    # -- training loss over the whole run ------------------------------------------------------------------------------
+    def _get_grad_norm(self, model, grad_norm=None):
+        stepping = steps_in_backward(self.optimizer)
+        if stepping is not None and grad_norm is None:  # the gradients are gone: the norm the hooks measured
+            return stepping.grad_norm()
+        return super()._get_grad_norm(model, grad_norm)
+
+    # -- training loss over the whole run (and the step in backward armed for train() only) ----------------------------
     def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
+        stepping = steps_in_backward(self.optimizer)
+        if stepping is not None:  # a second train(): the Trainer reuses its optimizer
+            stepping.armed = True
+        try:
+            output = super().train(*args, **kwargs)
+        finally:  # outside train(), a backward pass (a probe, user code) must not move the weights
+            stepping = steps_in_backward(self.optimizer)
+            if stepping is not None:
+                stepping.armed = False
         # log() turned the final "train_loss" into the whole-run mean; the returned value follows it
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from . import masks as M
 from .config import LisaConfig
+from .sparse_delta import MaskLayout, fused_sparse_linear, sparse_delta, sparse_delta_linear, supports_fast_path
 
 
 class LisaLayer(BaseTunerLayer):
@@ -25,6 +26,12 @@ class LisaLayer(BaseTunerLayer):
     selection grid (one bit per block for the block structure), so it travels inside ``adapter_model.safetensors``
     at a 32nd (entries) or 128th (2×2 blocks) of the fp32 weight's size. Adapters with sparsity 0 have no mask and run
     the plain LoRA path.
+
+    A sparse adapter's forward (:mod:`hf_lisa.tuner.sparse_delta`) builds ``M ⊙ (B A)`` from the packed bits, uses it
+    and drops it; the backward pass recomputes it. Outputs and gradients are bitwise those of
+    ``F.linear(x, s · (B A) ⊙ M)`` under autograd. Setting ``lisa_fuse_sparse = True`` on a layer lets
+    ``Linear.forward`` fold the delta into the base matmul where that computes the same function (one fp32 matmul
+    with ``W + Δ``; equal up to rounding, see ``Linear._fused_forward_ok``).
     """
 
     adapter_layer_names = ("lisa_A", "lisa_B")
@@ -48,8 +55,10 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_track_importance = False
         self.lisa_grad_sum: dict[str, torch.Tensor] = {}
         self.lisa_importance: dict[str, torch.Tensor] = {}
-        self._mask_cache: dict[str, tuple[tuple, torch.Tensor]] = {}
         self._lisa_mask_placeholders: dict[str, tuple[LisaConfig, str]] = {}
+        # fold a sparse delta into the base matmul where that is the same function (see Linear._fused_forward_ok);
+        # off by default: x (W + Δ)ᵀ rounds differently from x Wᵀ + x Δᵀ
+        self.lisa_fuse_sparse = False
         in_features, out_features = _get_in_out_features(self.get_base_layer())
         if in_features is None:
             raise TypeError(f"LISA supports nn.Linear and Conv1D targets, got {type(self.get_base_layer()).__name__}.")
@@ -204,28 +213,27 @@ class LisaLayer(BaseTunerLayer):
         with self.detached_mask_placeholders():
             super()._move_adapter_to_device_of_base_layer(adapter_name, device=device)
 
+    def mask_layout(self, adapter_name: str) -> MaskLayout:
+        """Shape, structure and block size of a sparse adapter's packed mask."""
+        spec = self.lisa_mask_spec[adapter_name]
+        return MaskLayout((self.out_features, self.in_features), spec["structure"], tuple(spec["block_size"]))
+
     def get_mask(self, adapter_name: str) -> Optional[torch.Tensor]:
         """The full ``(out, in)`` boolean mask, or ``None`` for a dense (LoRA-equivalent) adapter.
 
+        Expanded from the packed bits at each call and not kept: the forward and backward passes never need it (see
+        :mod:`hf_lisa.tuner.sparse_delta`), and a cached copy would hold a byte per weight element for every layer.
         A mask still on the meta device (an adapter created with ``low_cpu_mem_usage=True`` whose state dict has not
         arrived) comes back as a meta tensor of the right shape.
         """
         if adapter_name not in self.lisa_mask:
             return None
         self._resolve_mask_placeholder(adapter_name)
-        packed = self.lisa_mask[adapter_name]
-        key = (id(packed), packed._version, packed.device)
-        cached = self._mask_cache.get(adapter_name)
-        if cached is None or cached[0] != key:
-            spec = self.lisa_mask_spec[adapter_name]
-            grid_shape = M.grid_shape((self.out_features, self.in_features), spec["structure"], spec["block_size"])
-            # a normal tensor even when first read under torch.inference_mode: the cache outlives that context, and
-            # autograd refuses to save inference tensors for a later training step or merge
-            with torch.inference_mode(False):
-                grid = M.unpack_mask(packed, grid_shape)
-                cached = (key, M.expand_grid(grid, spec["structure"], spec["block_size"]))
-            self._mask_cache[adapter_name] = cached
-        return cached[1]
+        layout = self.mask_layout(adapter_name)
+        # a normal tensor even when read under torch.inference_mode: callers keep it (schedulers compare masks
+        # across steps), and autograd refuses to save inference tensors for a later training step or merge
+        with torch.inference_mode(False):
+            return M.expand_grid(layout.unpack(self.lisa_mask[adapter_name]), layout.structure, layout.block_size)
 
     def _accumulate_gradient(self, adapter_name: str, grad: torch.Tensor) -> None:
         # signed: micro-batches of one optimizer step add up to that step's gradient before |.| is taken, so the
@@ -237,13 +245,13 @@ class LisaLayer(BaseTunerLayer):
     # -- delta -----------------------------------------------------------------------------------------------------------
     def _delta_out_in(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         weight_B, weight_A = self.lisa_B[adapter_name].weight, self.lisa_A[adapter_name].weight
-        if dtype is not None:
-            weight_B, weight_A = weight_B.to(dtype), weight_A.to(dtype)
-        delta = weight_B @ weight_A
-        mask = self.get_mask(adapter_name)
-        if mask is not None:
-            delta = delta * mask.to(delta.device)
-        return delta * self.scaling[adapter_name]
+        if adapter_name not in self.lisa_mask:
+            if dtype is not None:
+                weight_B, weight_A = weight_B.to(dtype), weight_A.to(dtype)
+            return (weight_B @ weight_A) * self.scaling[adapter_name]
+        self._resolve_mask_placeholder(adapter_name)
+        layout, packed = self.mask_layout(adapter_name), self.lisa_mask[adapter_name]
+        return sparse_delta(weight_A, weight_B, packed, layout, self.scaling[adapter_name], dtype=dtype)
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """``s · M ⊙ (B A)`` in the layout of the base weight."""
@@ -268,16 +276,30 @@ class LisaLayer(BaseTunerLayer):
             lisa_A = self.lisa_A[name]
             h = self.lisa_dropout[name](self._cast_input_dtype(x, lisa_A.weight.dtype))
             if name in self.lisa_mask:
-                # sparse path: materialise M ⊙ (B A); its gradient is dL/dW of the effective weight, i.e. the
-                # importance score of seed 000, for masked-out entries too
-                delta = self._delta_out_in(name)
-                if self.lisa_track_importance and delta.requires_grad:
-                    delta.register_hook(lambda g, name=name: self._accumulate_gradient(name, g))
-                result = result + F.linear(h, delta.to(h.dtype))
+                result = result + self._sparse_adapter_output(name, h)
             else:
                 # dense path: exactly LoRA, two thin matmuls
                 result = result + self.lisa_B[name](lisa_A(h)) * self.scaling[name]
         return result.to(result_dtype)
+
+    def _sparse_adapter_output(self, adapter_name: str, h: torch.Tensor) -> torch.Tensor:
+        """``s · h (M ⊙ (B A))ᵀ``. Its ``dL/dΔ`` is ``dL/dW`` of the effective weight, i.e. the importance score of
+        seed 000, for masked-out entries too; it goes to :meth:`_accumulate_gradient` while importance is tracked."""
+        self._resolve_mask_placeholder(adapter_name)
+        weight_A, weight_B = self.lisa_A[adapter_name].weight, self.lisa_B[adapter_name].weight
+        packed = self.lisa_mask[adapter_name]
+        track = self.lisa_track_importance
+        if supports_fast_path(h, weight_A, weight_B, packed):
+            # recomputes M ⊙ (B A) in the backward pass instead of keeping it (bitwise the graph below)
+            on_delta_grad = (lambda g, name=adapter_name: self._accumulate_gradient(name, g)) if track else None
+            return sparse_delta_linear(
+                h, weight_A, weight_B, packed, self.mask_layout(adapter_name), self.scaling[adapter_name], on_delta_grad
+            )
+        # strided inputs, meta tensors: materialise the delta and let autograd keep it
+        delta = self._delta_out_in(adapter_name)
+        if track and delta.requires_grad:
+            delta.register_hook(lambda g, name=adapter_name: self._accumulate_gradient(name, g))
+        return F.linear(h, delta.to(h.dtype))
 
     def set_scale(self, adapter: str, scale: float) -> None:
         if adapter in self.scaling:
@@ -349,8 +371,55 @@ class Linear(nn.Module, LisaLayer):
             return self.base_layer(x, *args, **kwargs)
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
+        if self.lisa_fuse_sparse and not args and not kwargs and self._fused_forward_ok(x):
+            return self._fused_forward(x)
         result = self.base_layer(x, *args, **kwargs)
         return self.add_adapter_outputs(result, x)
+
+    def _fused_forward_ok(self, x: torch.Tensor) -> bool:
+        """Whether ``x (W + s · M ⊙ (B A))ᵀ + b`` computes what ``base(x) + adapter(x)`` computes, so that the delta
+        may join the base matmul (:class:`~hf_lisa.tuner.sparse_delta.FusedSparseLinear`).
+
+        Needs one active adapter, sparse and without dropout; a frozen fp32/fp64 ``nn.Linear`` or ``Conv1D`` base,
+        called directly (no wrapper, no module hooks, no replaced ``forward``: DeepSpeed ZeRO-3, accelerate's offload
+        and FSDP gather weights in hooks, which reading ``base.weight`` here would bypass); plain tensors of one
+        dtype and device; no autocast (it would run the fused matmul in bf16, where ``W + Δ`` loses small deltas).
+        """
+        names = [name for name in self.active_adapters if name in self.lisa_A]
+        if len(names) != 1 or names[0] not in self.lisa_mask:
+            return False
+        name, base = names[0], self.base_layer
+        if not isinstance(self.lisa_dropout[name], nn.Identity) or self.lisa_mask[name].is_meta:
+            return False
+        is_conv1d = type(base).__name__ == "Conv1D"
+        if (type(base) is not nn.Linear and not is_conv1d) or self.fan_in_fan_out != is_conv1d:
+            return False
+        kinds = ("forward", "forward_pre", "backward", "backward_pre")
+        if "forward" in base.__dict__ or hasattr(base, "_hf_hook") or any(getattr(base, f"_{k}_hooks") for k in kinds):
+            return False
+        if any(getattr(nn.modules.module, f"_global_{k}_hooks") for k in kinds):
+            return False
+        params = [base.weight, self.lisa_A[name].weight, self.lisa_B[name].weight]
+        frozen = [base.weight] if base.bias is None else [base.weight, base.bias]
+        params += frozen[1:]
+        if any(p.requires_grad for p in frozen) or any(type(p) not in (nn.Parameter, torch.Tensor) for p in params):
+            return False
+        dtype, device = base.weight.dtype, base.weight.device
+        if dtype not in (torch.float32, torch.float64) or device.type == "meta":
+            return False
+        if torch.is_autocast_enabled(device.type):
+            return False
+        tensors = [x, *params]
+        return x.dim() >= 2 and all(t.dtype == dtype and t.device == device for t in tensors)
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = next(name for name in self.active_adapters if name in self.lisa_A)
+        base = self.base_layer
+        on_delta_grad = (lambda g: self._accumulate_gradient(name, g)) if self.lisa_track_importance else None
+        return fused_sparse_linear(
+            x, self.lisa_A[name].weight, self.lisa_B[name].weight, self.lisa_mask[name], base.weight, base.bias,
+            self.mask_layout(name), self.scaling[name], self.fan_in_fan_out, on_delta_grad,
+        )
 
     def __repr__(self) -> str:
         return "lisa." + super().__repr__()

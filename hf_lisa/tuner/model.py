@@ -11,6 +11,7 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
 from ..blocks import find_blocks
+from .bnb import quantized_layer_class
 from .config import LisaConfig
 from .layer import LisaLayer, Linear
 
@@ -110,18 +111,20 @@ class LisaModel(BaseTuner):
             target.update_layer(adapter_name, config=lisa_config, module_key=current_key, **params)
             return
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        if isinstance(base, nn.Linear):
-            fan_in_fan_out = False
-        elif isinstance(base, _conv1d_type()):
-            fan_in_fan_out = True
+        quantized = quantized_layer_class(base)  # bitsandbytes Linear4bit / Linear8bitLt (nn.Linear subclasses)
+        if quantized is not None:
+            new_module = quantized(target, adapter_name, lisa_config, module_key=current_key, **params)
+        elif isinstance(base, (nn.Linear, _conv1d_type())):
+            new_module = Linear(
+                target, adapter_name, lisa_config, fan_in_fan_out=not isinstance(base, nn.Linear),
+                module_key=current_key, **params,
+            )
         else:
             raise TypeError(
-                f"LISA cannot adapt module {current_key!r} of type {type(base).__name__}; supported: torch.nn.Linear and "
-                "transformers.pytorch_utils.Conv1D. Adjust LisaConfig.target_modules."
+                f"LISA cannot adapt module {current_key!r} of type {type(base).__name__}; supported: torch.nn.Linear, "
+                "transformers.pytorch_utils.Conv1D and bitsandbytes' Linear4bit / Linear8bitLt. Adjust "
+                "LisaConfig.target_modules."
             )
-        new_module = Linear(
-            target, adapter_name, lisa_config, fan_in_fan_out=fan_in_fan_out, module_key=current_key, **params
-        )
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         # low_cpu_mem_usage: the mask placeholder stays on meta until the state dict fills it (see LisaLayer)

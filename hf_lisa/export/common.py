@@ -1,0 +1,259 @@
+"""What the three exports share: outputs written whole or not at all, the source model merged, the check inputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from ..errors import UsageError
+from ..hub.load import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_SAFETENSORS_NAME, MODEL_CONFIG_NAME
+
+logger = logging.getLogger(__name__)
+
+#: how many of the demo task's held-out prompts the checks run by default
+DEFAULT_CHECK_PROMPTS = 8
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Outputs: staged beside their target, renamed into place when complete
+# ----------------------------------------------------------------------------------------------------------------------
+def _same_or_inside(path: str, other: str) -> bool:
+    path, other = os.path.realpath(path), os.path.realpath(other)
+    return path == other or other.startswith(path.rstrip(os.sep) + os.sep)
+
+
+def check_output_path(
+    out: str, sources: tuple[Optional[str], ...], overwrite: bool, what: str, is_file: bool = False
+) -> None:
+    """Refuse an output that would replace one of its own sources, or a non-empty target without ``overwrite``.
+
+    Raises:
+        UsageError: naming the path and what is allowed.
+    """
+    for source in sources:
+        if source and os.path.exists(source) and (_same_or_inside(out, source) or _same_or_inside(source, out)):
+            raise UsageError(f"{what} {out!r} is (or contains, or sits inside) the source {source!r}; choose another "
+                             "path: an export never writes over what it reads.")
+    if not os.path.exists(out):
+        return
+    if is_file and os.path.isdir(out):
+        raise UsageError(f"{what} {out!r} is a directory; give a file path, e.g. {os.path.join(out, 'model.gguf')!r}.")
+    if not is_file and not os.path.isdir(out):
+        raise UsageError(f"{what} {out!r} exists and is a file; give a directory path.")
+    non_empty = os.path.isfile(out) or bool(os.listdir(out))
+    if non_empty and not overwrite:
+        raise UsageError(f"{what} {out!r} already exists and is not empty; pass --overwrite (overwrite=True) to "
+                         "replace it once the new export is complete.")
+
+
+@contextmanager
+def staged_directory(out_dir: str) -> Iterator[str]:
+    """A hidden sibling folder of ``out_dir`` to write into; renamed to ``out_dir`` when the block completes (an
+    existing ``out_dir`` is replaced only then), removed when it raises. A failure never leaves half an export."""
+    from ..train.output_dir import STAGING_PREFIX, fsync_tree  # the training outputs' staging name and flush
+
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.path.basename(out_dir)}-", dir=parent)
+    try:
+        yield staging
+        fsync_tree(staging)
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}old-{os.path.basename(out_dir)}-", dir=parent)
+            previous = os.path.join(old, "previous")
+            os.replace(out_dir, previous)
+            try:
+                os.replace(staging, out_dir)
+            except OSError:
+                os.replace(previous, out_dir)  # put the previous export back
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def staged_file(out_file: str) -> Iterator[str]:
+    """A hidden sibling path of ``out_file`` (same suffix) to write to; renamed to ``out_file`` when the block
+    completes, removed when it raises."""
+    from ..train.output_dir import STAGING_PREFIX
+
+    out_file = os.path.abspath(out_file)
+    parent = os.path.dirname(out_file)
+    os.makedirs(parent, exist_ok=True)
+    stem, suffix = os.path.splitext(os.path.basename(out_file))
+    descriptor, staging = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{stem}-", suffix=suffix, dir=parent)
+    os.close(descriptor)
+    try:
+        yield staging
+        with open(staging, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(staging, out_file)
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+
+
+def write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def require_gguf():
+    """The ``gguf`` package, or an ``ImportError`` that says how to install it."""
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ImportError("GGUF export needs the gguf package: `pip install gguf` (part of hf-lisa[demo]).") from exc
+    return gguf
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------------------------------
+def read_adapter(adapter_dir: str) -> tuple[dict, dict]:
+    """``(adapter_config, state_dict)`` of a saved PEFT adapter folder; pickle weights are refused.
+
+    Raises:
+        FileNotFoundError / UsageError: naming the folder and what it lacks.
+    """
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(adapter_dir):
+        raise FileNotFoundError(f"adapter directory {adapter_dir!r} does not exist.")
+    config_path = os.path.join(adapter_dir, ADAPTER_CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        found = " It holds config.json: a full model, not an adapter." if os.path.isfile(
+            os.path.join(adapter_dir, MODEL_CONFIG_NAME)) else ""
+        raise UsageError(f"{adapter_dir!r} has no {ADAPTER_CONFIG_NAME}, so it is not a PEFT adapter.{found}")
+    weights = os.path.join(adapter_dir, ADAPTER_SAFETENSORS_NAME)
+    if not os.path.isfile(weights):
+        pickle = os.path.isfile(os.path.join(adapter_dir, ADAPTER_PICKLE_NAME))
+        raise UsageError(
+            f"{adapter_dir!r} has no {ADAPTER_SAFETENSORS_NAME}"
+            + (f" (only the pickle {ADAPTER_PICKLE_NAME}, which hf-lisa never loads for an export; re-save it with "
+               "save_pretrained)." if pickle else ".")
+        )
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    return config, load_file(weights)
+
+
+def load_merged_model(source: str, base_model: Optional[str] = None, dtype=None):
+    """``(model, tokenizer_or_None)``: a transformers model with any LISA adapter of ``source`` merged in.
+
+    ``source`` is an adapter folder (its base model is loaded and the adapter merged with the tuner's own merge,
+    which refuses layer interpolation), a full model folder (``hf-lisa train --method lisa`` output, a merged
+    export) or a Hub id. The tokenizer comes from ``source``, else from the adapter's base model.
+    """
+    import torch
+    from peft import PeftModel
+
+    from ..hub.load import from_pretrained
+    from ..hub.staging import _check_mergeable
+
+    model = from_pretrained(source, base_model=base_model, torch_dtype=dtype or torch.float32)
+    tokenizer_sources = [source]
+    if isinstance(model, PeftModel):
+        _check_mergeable(model)
+        config = model.peft_config[model.active_adapter]
+        tokenizer_sources.append(base_model or config.base_model_name_or_path)
+        model = model.merge_and_unload(safe_merge=True)
+    return model.eval(), load_tokenizer(*tokenizer_sources)
+
+
+def load_tokenizer(*sources: Optional[str]):
+    """The first tokenizer that loads from ``sources`` (folders or Hub ids), or ``None``."""
+    from transformers import AutoTokenizer
+
+    for source in sources:
+        if not source:
+            continue
+        if os.path.isdir(source) and not any(
+            os.path.isfile(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            logger.info("No tokenizer from %s (%s).", source, exc)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Check inputs: the demo task's held-out prompts
+# ----------------------------------------------------------------------------------------------------------------------
+def held_out_prompts(n: int = DEFAULT_CHECK_PROMPTS) -> list[str]:
+    """The first ``n`` prompts of the bundled task's validation split (never in its train split)."""
+    from ..demo_task import cached_dataset_files
+
+    _, validation = cached_dataset_files(2000)  # the validation rows do not depend on the train size
+    prompts = []
+    with open(validation, encoding="utf-8") as f:
+        for line in f:
+            if len(prompts) == n:
+                break
+            prompts.append(json.loads(line)["prompt"])
+    return prompts
+
+
+def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as training renders it: through the chat template when the tokenizer has one."""
+    ids = []
+    for prompt in prompts:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids.append(tokenizer(prompt)["input_ids"])
+    return ids
+
+
+def check_inputs(tokenizer, vocab_size: int, n: int = 4, length: int = 24, seed: int = 0):
+    """A batch of inputs for a logit comparison: held-out prompts when a tokenizer is known, else seeded random ids.
+
+    Returns:
+        ``(input_ids, attention_mask)``, right-padded (padding positions are masked and excluded from comparisons).
+    """
+    import torch
+
+    if tokenizer is not None:
+        rows = [row[:length] for row in prompt_ids(tokenizer, held_out_prompts(n))]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        rows = torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+    return input_ids, attention_mask
+
+
+def logits(model, input_ids, attention_mask):
+    """The model's float32 logits for the batch, without gradients."""
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+
+
+def max_logit_difference(logits_a, logits_b, attention_mask) -> float:
+    """``max |logits_a - logits_b|`` over the unpadded positions of the batch."""
+    if logits_a.dim() == 3:  # per token: drop padding positions
+        keep = attention_mask.bool()
+        logits_a, logits_b = logits_a[keep], logits_b[keep]
+    return float((logits_a.float() - logits_b.float()).abs().max())

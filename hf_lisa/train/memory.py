@@ -1,0 +1,192 @@
+"""The memory options of a training job: ``--optim_step_in_backward`` and ``--cpu_allocator``.
+
+* ``--optim_step_in_backward``: AdamW stepped inside the backward pass, one parameter at a time, its gradient freed at
+  once ([`hf_lisa.scheduler.step_in_backward.AdamWInBackward`]: plain AdamW's groups, state and update, so the LR
+  schedule, LISA's state dropping, layer-wise LR decay and checkpoints work as with ``--optim adamw_torch``, and a run
+  follows the plain one step for step). What it gives up is everything that needs all gradients before the update:
+  see :func:`check_step_in_backward`.
+* ``--cpu_allocator``: on CPU, the C allocator decides how much freed memory the process keeps. glibc's ``malloc``
+  raises its mmap threshold each time it frees a large block (up to 32 MiB), so after the first step every activation
+  and gradient is carved from the heap, whose freed fragments stay resident: on SmolLM2-135M, full-parameter LISA
+  peaked ~250 MiB (20% of its floor) above the tensors alive at any moment. ``lean`` fixes the threshold at glibc's
+  default (:func:`apply_cpu_allocator`), so blocks of 128 KiB and more are returned to the system when freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import field
+from typing import Any, Optional
+
+import torch
+
+from ..errors import UsageError
+from ..scheduler.step_in_backward import AdamWInBackward
+
+#: the methods that use the option (full-parameter updates, where gradients are the size of the weights that train)
+STEP_IN_BACKWARD_METHODS = ("lisa", "full")
+#: ``--optim`` values whose update the step in backward reproduces
+STEP_IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+OPTION = "optim_step_in_backward"
+#: ``--cpu_allocator`` values
+CPU_ALLOCATORS = ("lean", "default")
+#: the mmap threshold ``lean`` fixes: glibc's own default, which glibc otherwise raises as large blocks are freed
+LEAN_MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+#: preloaded allocators that replace glibc's malloc (then ``lean`` does nothing)
+_OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+logger = logging.getLogger("hf_lisa.train")
+
+
+def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    """``(name, type, field)`` of the memory options, for ``dataclasses.make_dataclass`` (``LisaArguments``)."""
+    return [step_in_backward_field(), ("cpu_allocator", str, field(default="lean", metadata={
+        "help": "CPU training with glibc (Linux): 'lean' fixes malloc's mmap threshold at 128 KiB, so the activations "
+        "and gradients freed in each step go back to the system instead of staying resident as heap fragments "
+        "(glibc raises the threshold as large blocks are freed; on SmolLM2-135M that held ~20% above the memory "
+        "floor); 'default' keeps glibc's behaviour. Nothing is changed on GPU, with MALLOC_* variables set, or with "
+        "jemalloc/tcmalloc/mimalloc preloaded."}))]
+
+
+def step_in_backward_field() -> tuple[str, Any, dataclasses.Field]:
+    """``(name, type, field)`` of ``--optim_step_in_backward``."""
+    return (OPTION, bool, field(default=False, metadata={
+        "help": "Update each parameter with AdamW as soon as its gradient is complete in the backward pass, and free "
+        "that gradient at once (PyTorch's 'optimizer step in backward'): the trainable set's gradients never all "
+        "live at once and the step has no temporaries. Same updates as --optim adamw_torch. Needs "
+        "--max_grad_norm 0 (no global-norm clipping), gradient_accumulation_steps 1, one process, AdamW, no fp16; "
+        "not with --lisa_sampling importance."}))
+
+
+def _optim_name(training_args) -> str:
+    optim = getattr(training_args, "optim", "adamw_torch")
+    return getattr(optim, "value", optim)
+
+
+def check_memory_options(lisa_args, training_args) -> None:
+    """Check ``--cpu_allocator`` and ``--optim_step_in_backward`` (:func:`check_step_in_backward`)."""
+    allocator = getattr(lisa_args, "cpu_allocator", "lean")
+    if allocator not in CPU_ALLOCATORS:
+        raise UsageError(f"--cpu_allocator={allocator!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
+    check_step_in_backward(lisa_args, training_args)
+
+
+def apply_cpu_allocator(policy: str, on_cpu: bool) -> Optional[str]:
+    """Apply ``--cpu_allocator`` to this process's ``malloc``; returns what was done (for the log), else ``None``.
+
+    ``lean`` calls glibc's ``mallopt(M_MMAP_THRESHOLD, 128 KiB)``: any explicit setting turns off the dynamic threshold
+    (see ``mallopt(3)``), so each block of 128 KiB or more is mapped on its own and unmapped when freed, and the RSS
+    follows the live tensors instead of the heap's high-water mark; then ``malloc_trim(0)`` returns what the heap
+    already holds. The cost is a page fault per page of each new large block. Nothing happens off CPU, off glibc,
+    under a preloaded allocator, or when the user set ``MALLOC_*`` variables or glibc malloc tunables (their choice
+    stands).
+    """
+    if policy not in CPU_ALLOCATORS:
+        raise ValueError(f"cpu_allocator={policy!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
+    if policy == "default" or not on_cpu or not sys.platform.startswith("linux"):
+        return None
+    user_set = [k for k in os.environ if k.startswith("MALLOC_")]
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        user_set.append("GLIBC_TUNABLES")
+    preloaded = [name for name in _OTHER_ALLOCATORS if name in os.environ.get("LD_PRELOAD", "")]
+    if user_set or preloaded:
+        logger.info("--cpu_allocator lean: left as set by %s.", ", ".join(sorted(user_set) + preloaded))
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # glibc only (musl has no such symbol)
+    except (OSError, AttributeError):
+        return None
+    if libc.mallopt(_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD) != 1:
+        return None
+    libc.malloc_trim(0)
+    return f"glibc malloc: mmap threshold fixed at {LEAN_MMAP_THRESHOLD // 1024} KiB (--cpu_allocator lean)"
+
+
+def check_step_in_backward(lisa_args, training_args) -> None:
+    """Refuse what cannot work when every gradient is applied, and freed, the moment it is complete.
+
+    Raises:
+        UsageError: with ``--optim_step_in_backward``: gradient accumulation (each micro-batch would step),
+            ``--max_grad_norm`` > 0 (global-norm clipping needs every gradient first), ``--fp16`` (its gradient scaler
+            unscales and checks after the backward pass), an ``--optim`` other than AdamW, more than one process or
+            DeepSpeed/FSDP (gradients are reduced across ranks after the local backward), or ``--lisa_sampling
+            importance`` (it reads the gradients after the backward pass).
+    """
+    if not getattr(lisa_args, OPTION, False):
+        return
+    flag = f"--{OPTION}"
+    accumulation = training_args.gradient_accumulation_steps
+    if accumulation != 1:
+        raise UsageError(
+            f"{flag} applies each gradient as soon as it is complete, so --gradient_accumulation_steps="
+            f"{accumulation} cannot accumulate; allowed with it: 1 (use a larger per-device batch instead)."
+        )
+    norm = training_args.max_grad_norm
+    if norm is not None and norm > 0:
+        raise UsageError(
+            f"{flag} updates each parameter before the global gradient norm is known, so --max_grad_norm={norm!r} "
+            "(global-norm clipping) cannot take effect; allowed with it: --max_grad_norm 0 (no clipping)."
+        )
+    if training_args.fp16:
+        raise UsageError(
+            f"{flag} cannot run with --fp16: its gradient scaler unscales and checks the gradients after the "
+            "backward pass, when they are already applied; use --bf16 (no scaler) or drop the option."
+        )
+    optim = _optim_name(training_args)
+    if optim not in STEP_IN_BACKWARD_OPTIMS:
+        raise UsageError(
+            f"{flag} reproduces AdamW's update, so --optim={optim!r} cannot be used with it; allowed: "
+            f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
+        )
+    distributed = [name for name, on in (("--deepspeed", training_args.deepspeed), ("--fsdp", training_args.fsdp))
+                   if on]
+    if training_args.world_size > 1 or distributed:
+        what = " and ".join(distributed) or f"{training_args.world_size} processes"
+        raise UsageError(
+            f"{flag} runs one process only: with {what}, gradients are reduced across ranks after the local "
+            "backward pass, and the hooks would step on each rank's own gradient. Drop the option for distributed "
+            "training."
+        )
+    if lisa_args.method == "lisa" and getattr(lisa_args, "lisa_sampling", "uniform") == "importance":
+        raise UsageError(
+            f"{flag} frees every gradient as it is applied, so --lisa_sampling=importance (which reads the "
+            "gradients after the backward pass) cannot see them; allowed with it: uniform, cyclic."
+        )
+
+
+def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None) -> tuple[type, dict]:
+    """``(AdamWInBackward, kwargs)`` for ``trainer``'s arguments: the class and keyword arguments
+    ``Trainer.create_optimizer`` would use for ``--optim adamw_torch[_fused]``, with the class replaced.
+
+    Raises:
+        ValueError: the Trainer was given another optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs=``), its
+            ``--optim`` is not AdamW, or it runs on more than one process, DeepSpeed or FSDP.
+    """
+    args = trainer.args
+    if trainer.accelerator.num_processes > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ValueError(
+            f"{OPTION}=True runs one process only (gradients are reduced across ranks after the local backward "
+            "pass); this Trainer is distributed. Drop the option for distributed training."
+        )
+    given = trainer.optimizer_cls_and_kwargs
+    if given is not None and not (isinstance(given[0], type) and issubclass(given[0], AdamWInBackward)):
+        raise ValueError(
+            f"{OPTION}=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
+            f"optimizer_cls_and_kwargs with {getattr(given[0], '__name__', given[0])!r}; pass one or the other."
+        )
+    if given is not None:
+        return given
+    optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
+    if optimizer_cls is not torch.optim.AdamW:
+        raise ValueError(
+            f"{OPTION}=True reproduces AdamW's update, so optim={_optim_name(args)!r} (which builds "
+            f"{getattr(optimizer_cls, '__name__', optimizer_cls)}) cannot be used with it; allowed: "
+            f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
+        )
+    return AdamWInBackward, dict(kwargs)
