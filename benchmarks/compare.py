@@ -174,12 +174,13 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
 
         def create_optimizer(self, model=None):
             optimizer = super().create_optimizer(model)
-            if spec.bnb_8bit_embeddings:  # undo the Trainer's 32-bit override of nn.Embedding weights
+            if spec.bnb_8bit_embeddings:  # turn the Trainer's 32-bit override of nn.Embedding weights to 8 bits
                 import bitsandbytes
 
-                manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+                manager = bitsandbytes.optim.GlobalOptimManager.get_instance()  # one per process, keyed by index
                 manager.module_weight_config_triple = [
-                    t for t in manager.module_weight_config_triple if not isinstance(t[0], torch.nn.Embedding)]
+                    (module, name, {**config, "optim_bits": 8}) if isinstance(module, torch.nn.Embedding)
+                    else (module, name, config) for module, name, config in manager.module_weight_config_triple]
             return optimizer
 
     lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter

@@ -147,7 +147,8 @@ def render_markdown(report: dict) -> str:
     applied = [r.get("cpu_allocator", {}).get("applied") for r in ok]
     if any(applied):
         lines.append(f"- **CPU allocator:** {applied[0] or 'glibc defaults'} (`hf-lisa train --cpu_allocator "
-                     f"{preset.get('cpu_allocator', 'lean')}`; `compare.py --cpu-allocator default` measures glibc's own)")
+                     f"{preset.get('cpu_allocator', 'lean')}`; `compare.py --cpu-allocator default` measures "
+                     "glibc's own)")
     elif preset.get("cpu_allocator") == "default":
         lines.append("- **CPU allocator:** glibc's defaults (`--cpu-allocator default`: dynamic mmap threshold)")
     overrides = [f"`{r['method']}` " + ", ".join(f"{k}={v}" for k, v in r["training_overrides"].items())
@@ -346,7 +347,8 @@ def findings(report: dict) -> list[str]:
                      f"fine-tuning's {_mib(full['optimizer_state']['max_bytes'])} MiB; it reaches 100% once every "
                      "block has been sampled")
         out.append(line + ".")
-    for name, ref_name in (("lisa", "lora"), ("lisa", "full"), ("lisa-adapter", "lora")):
+    for name, ref_name in (("lisa", "lora"), ("lisa", "full"), ("lisa-adapter", "lora"), ("lisa-fused", "lora"),
+                           ("lisa-fused", "lisa"), ("lisa-adamw8bit", "lisa"), ("lisa-adamw8bit-eh", "lisa")):
         a, b = ok.get(name), ok.get(ref_name)
         if not a or not b:
             continue

@@ -211,9 +211,8 @@ ACTIVATION_FORMULA = (
     "inputs, no linear inputs: "
     "those only serve weight gradients); a block whose adapters train saves the frozen set plus the adapted linears' "
     "inputs, 2h + i, and r values per adapted linear; layer interpolation adds h per block. Blocks the backward pass "
-    "never enters (below every trainable parameter) save nothing. A sparse LISA adapter materialises M*(BA) per "
-    "adapted linear: every block the backward pass crosses keeps it (4 bytes per weight element), a training one also "
-    "its boolean mask (1 byte). The head: 3h if it trains, else h, plus V fp32 values (the log-softmax of the loss). "
+    "never enters (below every trainable parameter) save nothing. A sparse LISA adapter saves no M*(BA): it is recomputed in the "
+    "backward pass from the packed mask. The head: 3h if it trains, else h, plus V fp32 values (the log-softmax of the loss). "
     "h, a = heads, q = heads*head_dim, kv = kv_heads*head_dim, i, V from the model config; kv becomes q in steps whose "
     "batch is padded (transformers repeats k and v for SDPA when there is a mask); flash attention assumed (CPU and "
     "CUDA SDPA save no T x T matrix)."
@@ -280,7 +279,8 @@ def activation_bytes(
         "frozen-sparse": frozen,
         "none": 0,
     }
-    per_block = {"adapter-sparse": 5 * sparse_delta_elements, "frozen-sparse": 4 * sparse_delta_elements}
+    # a sparse adapter's M ⊙ (B A) is recomputed in the backward pass (hf_lisa.tuner.sparse_delta), not saved
+    per_block: dict[str, int] = {}
     values = 3 * h if head_trains else h
     fixed = 0
     for kind in block_kinds:

@@ -294,8 +294,9 @@ def _logit_check(adapter_dir: str, lora_dir: str, base_model: Optional[str]) -> 
     lora = PeftModel.from_pretrained(lisa.unload(), lora_dir).eval()
     lora_modules = {n for n, m in lora.base_model.model.named_modules() if isinstance(m, LoraLayer)}
     if lora_modules != lisa_modules:
-        raise RuntimeError(f"the LoRA config targets other modules than the LISA adapter: only LoRA "
-                           f"{sorted(lora_modules - lisa_modules)[:3]}, only LISA {sorted(lisa_modules - lora_modules)[:3]}.")
+        only_lora, only_lisa = sorted(lora_modules - lisa_modules)[:3], sorted(lisa_modules - lora_modules)[:3]
+        raise RuntimeError(f"the LoRA config targets other modules than the LISA adapter: only LoRA {only_lora}, only "
+                           f"LISA {only_lisa}.")
     diff = max_logit_difference(expected, logits(lora, input_ids, attention_mask), attention_mask)
     what = "held-out demo prompts" if tokenizer is not None else "seeded random token ids"
     return diff, f"{input_ids.shape[0]} {what}, {int(attention_mask.sum())} tokens"

@@ -58,7 +58,8 @@ def step_in_backward_field() -> tuple[str, Any, dataclasses.Field]:
     return (OPTION, bool, field(default=False, metadata={
         "help": "Update each parameter with AdamW as soon as its gradient is complete in the backward pass, and free "
         "that gradient at once (PyTorch's 'optimizer step in backward'): the trainable set's gradients never all "
-        "live at once and the step has no temporaries. Same updates as --optim adamw_torch. Needs "
+        "live at once, and the step's temporaries are one parameter's. The same updates as --optim adamw_torch / "
+        "adamw_torch_fused without it. Needs "
         "--max_grad_norm 0 (no global-norm clipping), gradient_accumulation_steps 1, one process, AdamW, no fp16; "
         "not with --lisa_sampling importance."}))
 
@@ -99,8 +100,9 @@ def apply_cpu_allocator(policy: str, on_cpu: bool) -> Optional[str]:
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # glibc only (musl has no such symbol)
-    except (OSError, AttributeError):
+    except OSError:
+        return None
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only (musl has no such symbol)
         return None
     if libc.mallopt(_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD) != 1:
         return None
