@@ -119,12 +119,27 @@ def breakdown(steps: int = 8, cpu_allocator: str = "lean", step_in_backward: boo
         p.requires_grad_(True)
     threading.Thread(target=sample, daemon=True).start()
     model.train()
+    saved: dict[int, int] = {}  # storages autograd saves in the forward pass (parameters excluded), per step
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    vocab_bytes = []
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    saved_per_step = []
     for step, batch in enumerate(batches[:steps]):
         if step % interval == 0:
             phase[0] = "switch"
             activate()
         phase[0] = "forward"
-        loss = model(**batch).loss
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(**batch).loss
+        saved_per_step.append(sum(saved.values()))
+        vocab_bytes.append(batch["input_ids"].numel() * model.config.vocab_size * 4)
         phase[0] = "backward: loss (log-softmax, NLL)"
         loss.backward()
         del loss
@@ -133,7 +148,6 @@ def breakdown(steps: int = 8, cpu_allocator: str = "lean", step_in_backward: boo
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         phase[0] = "optimizer step"
         optimizer.step()
-        phase[0] = "zero_grad"
         optimizer.zero_grad(set_to_none=True)
     stop[0] = True
     time.sleep(0.01)
@@ -148,7 +162,8 @@ def breakdown(steps: int = 8, cpu_allocator: str = "lean", step_in_backward: boo
             "allocator_slack_other": (rss - weights - p["used"]) / MIB,
         }
     return {"allocator": allocator or "glibc defaults", "step_in_backward": step_in_backward, "steps": steps,
-            "phases": rows_out}
+            "phases": rows_out, "saved_for_backward_max": max(saved_per_step) / MIB,
+            "vocabulary_tensor_max": max(vocab_bytes) / MIB}
 
 
 def render(result: dict) -> str:
@@ -159,6 +174,11 @@ def render(result: dict) -> str:
              "allocator slack + other |", "|---|--:|--:|--:|--:|--:|--:|"]
     for name, row in result["phases"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
+    lines += ["", f"Saved for the backward pass (largest step, parameters excluded): "
+              f"{result['saved_for_backward_max']:.0f} MiB, of which the fp32 log-softmax of the vocabulary is "
+              f"{result['vocabulary_tensor_max']:.0f} MiB; each other vocabulary-sized tensor (logits, the NLL and "
+              f"log-softmax gradients) is as large. Gradients are the `.grad` tensors: a tied E/H gradient waits "
+              "in autograd's buffer (counted as a temporary) until the embedding's half arrives."]
     return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ class MemoryPolicy:
     gate_gib: float = 8.0
     headroom_gib: float = 4.0
     guard_gib: float = 1.0
-    timeout_s: float = 1800.0
+    timeout_s: float = 2400.0
     defer_wait_s: float = 600.0
     available: Callable[[], Optional[int]] = field(default=None, compare=False, repr=False)
 
