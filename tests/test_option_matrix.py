@@ -58,6 +58,8 @@ NON_DEFAULT: dict[str, list[str]] = {
     "rank_pattern": ['{"q_proj": 4}'],
     "alpha_pattern": ['{"q_proj": 8}'],
     "sparsity_pattern": ['{"q_proj": 0.5}'],
+    "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
+    "cpu_allocator": ["default"],
 }
 OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
 
