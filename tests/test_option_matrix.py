@@ -58,6 +58,7 @@ NON_DEFAULT: dict[str, list[str]] = {
     "rank_pattern": ['{"q_proj": 4}'],
     "alpha_pattern": ['{"q_proj": 8}'],
     "sparsity_pattern": ['{"q_proj": 0.5}'],
+    "fuse_sparse_delta": ["false"],
     "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
     "cpu_allocator": ["default"],
 }

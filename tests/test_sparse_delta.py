@@ -80,6 +80,7 @@ STRUCTURES = {  # (sparsity_structure, block_size, n_m, sparsity) on a 48 x 64 w
 def sparse_layer(structure: str = "block2x2", dtype: torch.dtype = torch.float32, **config) -> Linear:
     kind, block_size, n_m, sparsity = STRUCTURES[structure]
     torch.manual_seed(0)
+    config.setdefault("fuse_sparse_delta", False)  # the exact path; fuse() below turns the fused one on
     cfg = LisaConfig(
         r=4, lisa_alpha=8, sparsity=sparsity, sparsity_structure=kind, block_size=block_size, n_m=n_m,
         mask_init="random", **config,
@@ -265,6 +266,7 @@ def assert_models_equal(new, old) -> None:
 
 
 def sparse_model(build, **config):
+    config.setdefault("fuse_sparse_delta", False)  # the exact path; fuse() below turns the fused one on
     model = get_peft_model(build(), LisaConfig(r=4, sparsity=0.5, mask_init="random", **config))
     randomize_adapters(model)
     for layer in model.modules():
@@ -298,7 +300,7 @@ def test_gradient_checkpointing_matches_old_graph(reentrant):
     assert_models_equal(run_model(model, IDS, old=True), reference)
 
 
-# -- the opt-in fused path ---------------------------------------------------------------------------------------------
+# -- the fused path (LisaConfig.fuse_sparse_delta, the default) --------------------------------------------------------
 #: the fused matmul x (W + Δ)ᵀ rounds differently from x Wᵀ + x Δᵀ: its results must agree with the old graph's to
 #: 2e-6 of the tensor's largest magnitude (about 16 fp32 ulps; measured: below 6e-7)
 FUSED_TOLERANCE = 2e-6
@@ -313,7 +315,7 @@ def assert_close_fused(new: torch.Tensor, old: torch.Tensor) -> None:
 def fuse(model: nn.Module) -> None:
     for layer in model.modules():
         if isinstance(layer, LisaLayer):
-            layer.lisa_fuse_sparse = True
+            layer.lisa_fuse_sparse = dict.fromkeys(layer.lisa_fuse_sparse, True)
 
 
 @pytest.mark.parametrize("structure", ["block2x2", "unstructured"])
@@ -374,6 +376,7 @@ def test_fused_path_declines_where_it_would_change_the_function():
     assert not fuse_ok(sparse_layer(lisa_dropout=0.1), x)
     two = sparse_layer()
     two.update_layer("other", 2, 4, 0.4, LisaConfig(r=2, sparsity=0.4, mask_init="random"), module_key="proj")
+    fuse(two)
     two.set_adapter(["default", "other"])
     assert not fuse_ok(two, x)
 

@@ -45,6 +45,7 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lisa_interval_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "lisa_sampling": (lambda v: v in LAYER_SAMPLING_STRATEGIES, f"one of {LAYER_SAMPLING_STRATEGIES}"),
     "lisa_optimizer_state_policy": (lambda v: v in OPTIMIZER_STATE_POLICIES, f"one of {OPTIMIZER_STATE_POLICIES}"),
+    "fuse_sparse_delta": (lambda v: isinstance(v, bool), "True or False"),
 }
 #: per-module pattern -> the setting whose rule its values follow (as in ``LisaConfig.resolve``)
 _PATTERN_OF = {"rank_pattern": "r", "alpha_pattern": "lisa_alpha", "sparsity_pattern": "sparsity"}
@@ -197,6 +198,11 @@ class LisaConfig(PeftConfig):
         lisa_interval_steps (`int`, defaults to `20`): K, optimizer steps between block switches.
         lisa_sampling (`str`, defaults to `"uniform"`): `"uniform"`, `"importance"` or `"cyclic"`.
         lisa_layers_attribute (`str`, *optional*): dotted path of the block list, overriding discovery.
+        fuse_sparse_delta (`bool`, defaults to `True`): compute a sparse adapter's layer as one matmul with
+            ``W + s · M ⊙ (B A)`` where that is the same function as ``base(x) + adapter(x)`` (fp32, no autocast, one
+            active adapter, no dropout, a frozen plain base without hooks); elsewhere, or with `False`, the delta
+            has its own matmul. The fused result agrees with the separate one to fp32 rounding (not bit for bit)
+            and costs about one dense matmul instead of two.
         rank_pattern / alpha_pattern / sparsity_pattern (`dict`): per-module overrides of `r`, `lisa_alpha`,
             `sparsity`, keyed by module name or regex (as LoRA's `rank_pattern`).
 
@@ -316,6 +322,15 @@ class LisaConfig(PeftConfig):
     )
     lisa_layers_attribute: Optional[str] = field(
         default=None, metadata={"help": "Dotted path of the block list (e.g. 'model.layers'), overriding discovery."}
+    )
+    fuse_sparse_delta: bool = field(
+        default=True,
+        metadata={
+            "help": "Fold a sparse adapter's delta into the base layer's matmul, x (W + s*M*(BA))^T, where that is the "
+            "same function (fp32, no autocast, one active adapter, no dropout, a frozen base without hooks); equal to "
+            "the separate path up to fp32 rounding and about half its cost. False keeps the delta's own matmul "
+            "(bitwise reproducible against earlier versions)."
+        },
     )
     rank_pattern: Optional[dict] = field(
         default_factory=dict, metadata={"help": "Per-module rank overrides, e.g. {'down_proj': 16} (regex keys)."}

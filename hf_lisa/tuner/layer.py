@@ -29,13 +29,15 @@ class LisaLayer(BaseTunerLayer):
 
     A sparse adapter's forward (:mod:`hf_lisa.tuner.sparse_delta`) builds ``M ⊙ (B A)`` from the packed bits, uses it
     and drops it; the backward pass recomputes it. Outputs and gradients are bitwise those of
-    ``F.linear(x, s · (B A) ⊙ M)`` under autograd. Setting ``lisa_fuse_sparse = True`` on a layer lets
-    ``Linear.forward`` fold the delta into the base matmul where that computes the same function (one fp32 matmul
-    with ``W + Δ``; equal up to rounding, see ``Linear._fused_forward_ok``).
+    ``F.linear(x, s · (B A) ⊙ M)`` under autograd. With ``LisaConfig.fuse_sparse_delta`` (the default; kept per
+    adapter in ``lisa_fuse_sparse``) ``Linear.forward`` folds the delta into the base matmul where that computes the
+    same function (one fp32 matmul with ``W + Δ``; equal up to rounding, see ``Linear._fused_forward_ok``).
     """
 
     adapter_layer_names = ("lisa_A", "lisa_B")
-    other_param_names = ("r", "lisa_alpha", "scaling", "lisa_dropout", "lisa_mask", "lisa_mask_spec")
+    other_param_names = (
+        "r", "lisa_alpha", "scaling", "lisa_dropout", "lisa_mask", "lisa_mask_spec", "lisa_fuse_sparse",
+    )
 
     def __init__(self, base_layer: nn.Module, **kwargs) -> None:
         self.base_layer = base_layer
@@ -56,9 +58,9 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_grad_sum: dict[str, torch.Tensor] = {}
         self.lisa_importance: dict[str, torch.Tensor] = {}
         self._lisa_mask_placeholders: dict[str, tuple[LisaConfig, str]] = {}
-        # fold a sparse delta into the base matmul where that is the same function (see Linear._fused_forward_ok);
-        # off by default: x (W + Δ)ᵀ rounds differently from x Wᵀ + x Δᵀ
-        self.lisa_fuse_sparse = False
+        # per adapter (LisaConfig.fuse_sparse_delta): fold a sparse delta into the base matmul where that is the same
+        # function (see Linear._fused_forward_ok); x (W + Δ)ᵀ rounds differently from x Wᵀ + x Δᵀ
+        self.lisa_fuse_sparse: dict[str, bool] = {}
         in_features, out_features = _get_in_out_features(self.get_base_layer())
         if in_features is None:
             raise TypeError(f"LISA supports nn.Linear and Conv1D targets, got {type(self.get_base_layer()).__name__}.")
@@ -88,6 +90,7 @@ class LisaLayer(BaseTunerLayer):
         self.r[adapter_name] = r
         self.lisa_alpha[adapter_name] = lisa_alpha
         self.scaling[adapter_name] = lisa_alpha / r
+        self.lisa_fuse_sparse[adapter_name] = bool(getattr(config, "fuse_sparse_delta", False))
         self.lisa_dropout[adapter_name] = nn.Dropout(config.lisa_dropout) if config.lisa_dropout > 0 else nn.Identity()
         self.lisa_A[adapter_name] = nn.Linear(self.in_features, r, bias=False)
         self.lisa_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
@@ -371,7 +374,7 @@ class Linear(nn.Module, LisaLayer):
             return self.base_layer(x, *args, **kwargs)
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
-        if self.lisa_fuse_sparse and not args and not kwargs and self._fused_forward_ok(x):
+        if not args and not kwargs and self._fused_forward_ok(x):
             return self._fused_forward(x)
         result = self.base_layer(x, *args, **kwargs)
         return self.add_adapter_outputs(result, x)
@@ -380,13 +383,13 @@ class Linear(nn.Module, LisaLayer):
         """Whether ``x (W + s · M ⊙ (B A))ᵀ + b`` computes what ``base(x) + adapter(x)`` computes, so that the delta
         may join the base matmul (:class:`~hf_lisa.tuner.sparse_delta.FusedSparseLinear`).
 
-        Needs one active adapter, sparse and without dropout; a frozen fp32/fp64 ``nn.Linear`` or ``Conv1D`` base,
+        Needs one active adapter, sparse, without dropout and with ``fuse_sparse_delta``; a frozen fp32/fp64 ``nn.Linear`` or ``Conv1D`` base,
         called directly (no wrapper, no module hooks, no replaced ``forward``: DeepSpeed ZeRO-3, accelerate's offload
         and FSDP gather weights in hooks, which reading ``base.weight`` here would bypass); plain tensors of one
         dtype and device; no autocast (it would run the fused matmul in bf16, where ``W + Δ`` loses small deltas).
         """
         names = [name for name in self.active_adapters if name in self.lisa_A]
-        if len(names) != 1 or names[0] not in self.lisa_mask:
+        if len(names) != 1 or names[0] not in self.lisa_mask or not self.lisa_fuse_sparse.get(names[0], False):
             return False
         name, base = names[0], self.base_layer
         if not isinstance(self.lisa_dropout[name], nn.Identity) or self.lisa_mask[name].is_meta:

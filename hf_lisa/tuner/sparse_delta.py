@@ -16,8 +16,8 @@ Only row-major (contiguous) ``h``, ``A`` and ``B`` take this path (:func:`suppor
 for which the backward's operations are known to be autograd's own. Anything else (a strided input, meta tensors)
 uses the old graph, which is correct for every layout.
 
-:class:`FusedSparseLinear` (opt-in, ``LisaLayer.lisa_fuse_sparse``) goes further: one matmul with ``W + Δ`` instead
-of the base's and the delta's, equal to the unfused path up to fp32 rounding only.
+:class:`FusedSparseLinear` (``LisaConfig.fuse_sparse_delta``, the default) goes further: one matmul with
+``W + Δ`` instead of the base's and the delta's, equal to the unfused path up to fp32 rounding only.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def sparse_delta_linear(
     return SparseDeltaLinear.apply(h, weight_A, weight_B, packed, layout, scaling, on_delta_grad)
 
 
-# -- fused into the base matmul (opt-in) -------------------------------------------------------------------------------
+# -- fused into the base matmul (LisaConfig.fuse_sparse_delta) ---------------------------------------------------------
 def _effective_weight(weight_A, weight_B, packed, layout, scaling, base_weight, fan_in_fan_out) -> torch.Tensor:
     """``W + M ⊙ ((s · B) A)`` in ``(out, in)`` layout, in one buffer (``s`` folded into the thin ``B``: this path
     does not reproduce the unfused rounding anyway)."""
