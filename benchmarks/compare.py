@@ -506,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-r", type=int, dest="lora_r", help="Adapter rank (lora and lisa-adapter*).")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--cpu-allocator", dest="cpu_allocator", choices=("lean", "default"),
-                        help="hf-lisa train's --cpu_allocator for every method (default: lean).")
+                        help="hf-lisa train's --cpu_allocator for every method (default: default).")
     parser.add_argument("--in-process", action="store_true",
                         help="Run every method in this process (fast start; peak memory is then shared).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")

@@ -13,8 +13,8 @@ each phase of the step, the highest RSS and what made it up at that moment:
 
 Usage::
 
-    python benchmarks/peak_breakdown.py                          # --cpu-allocator lean (hf-lisa train's default)
-    python benchmarks/peak_breakdown.py --cpu-allocator default  # glibc's dynamic mmap threshold
+    python benchmarks/peak_breakdown.py                          # glibc's dynamic mmap threshold (hf-lisa's default)
+    python benchmarks/peak_breakdown.py --cpu-allocator lean     # the mmap threshold fixed at 128 KiB
     python benchmarks/peak_breakdown.py --step-in-backward       # AdamW stepped in the backward pass
 
 Linux with glibc only (``mallinfo2``, glibc >= 2.33).
@@ -49,7 +49,7 @@ def _malloc_in_use(libc) -> int:
     return info.uordblks + info.hblkhd
 
 
-def breakdown(steps: int = 8, cpu_allocator: str = "lean", step_in_backward: bool = False, gamma: int = 2,
+def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: bool = False, gamma: int = 2,
               interval: int = 3, batch_size: int = 4, seq_len: int = 128, seed: int = 42) -> dict:
     """Run ``steps`` LISA steps and return, per phase, the peak RSS and its make-up (MiB above the RSS before the
     model was loaded)."""
@@ -185,7 +185,7 @@ def render(result: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="benchmarks/peak_breakdown.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--cpu-allocator", choices=("lean", "default"), default="lean")
+    parser.add_argument("--cpu-allocator", choices=("lean", "default"), default="default")
     parser.add_argument("--step-in-backward", action="store_true")
     parser.add_argument("--json", help="Also write the numbers to this file.")
     ns = parser.parse_args(argv)

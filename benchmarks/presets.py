@@ -118,8 +118,8 @@ class Preset:
         importance_steps: calibration batches of the sparse adapter's importance-based first mask.
         seed: seed of everything (model wrapping, data order, LISA's sampler).
         methods: the methods run by default.
-        cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"lean"`` (its default: glibc's mmap
-            threshold fixed, freed tensors leave the heap) or ``"default"`` (glibc's own dynamic threshold).
+        cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"default"`` (its default: glibc's
+            own dynamic threshold) or ``"lean"`` (the mmap threshold fixed: freed tensors leave the heap; slower).
         lisa_extra: further ``LisaArguments`` fields as ``(name, value)`` pairs, applied to every method after its
             own overrides (``benchmarks/sweep.py`` uses it for one-lever-at-a-time studies).
     """
@@ -146,7 +146,7 @@ class Preset:
     importance_steps: int = 8
     seed: int = 42
     methods: tuple[str, ...] = DEFAULT_METHODS
-    cpu_allocator: str = "lean"
+    cpu_allocator: str = "default"
     lisa_extra: tuple[tuple[str, Any], ...] = ()
 
     def updated(self, **overrides: Any) -> "Preset":

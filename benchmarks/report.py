@@ -147,10 +147,9 @@ def render_markdown(report: dict) -> str:
     applied = [r.get("cpu_allocator", {}).get("applied") for r in ok]
     if any(applied):
         lines.append(f"- **CPU allocator:** {applied[0] or 'glibc defaults'} (`hf-lisa train --cpu_allocator "
-                     f"{preset.get('cpu_allocator', 'lean')}`; `compare.py --cpu-allocator default` measures "
-                     "glibc's own)")
-    elif preset.get("cpu_allocator") == "default":
-        lines.append("- **CPU allocator:** glibc's defaults (`--cpu-allocator default`: dynamic mmap threshold)")
+                     f"{preset.get('cpu_allocator', 'lean')}`)")
+    else:
+        lines.append("- **CPU allocator:** glibc's defaults (dynamic mmap threshold; `--cpu-allocator lean` fixes it)")
     overrides = [f"`{r['method']}` " + ", ".join(f"{k}={v}" for k, v in r["training_overrides"].items())
                  for r in ok if r.get("training_overrides")]
     if overrides:

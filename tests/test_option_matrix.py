@@ -60,7 +60,7 @@ NON_DEFAULT: dict[str, list[str]] = {
     "sparsity_pattern": ['{"q_proj": 0.5}'],
     "fuse_sparse_delta": ["false"],
     "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
-    "cpu_allocator": ["default"],
+    "cpu_allocator": ["lean"],
 }
 OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
 

@@ -6,8 +6,10 @@ Static checks read the source with ``ast`` (cheap); one subprocess per subpackag
 from __future__ import annotations
 
 import ast
+import contextlib
 import subprocess
 import sys
+import tempfile
 import tomllib
 import warnings
 from pathlib import Path
@@ -136,14 +138,49 @@ def test_each_module_imports_only_from_its_layer_or_below():
     assert not upward, f"imports against the layering of docs/architecture.md: {upward}"
 
 
-@pytest.mark.parametrize(
-    "module", ["hf_lisa.tuner", "hf_lisa.scheduler", "hf_lisa.distributed", "hf_lisa.train", "hf_lisa.hub",
-               "hf_lisa.trainer_callbacks", "hf_lisa.cli"],
-)
-def test_each_subpackage_imports_on_its_own(module):
-    code = f"import warnings; warnings.simplefilter('error', FutureWarning); import {module}"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
-    assert result.returncode == 0, result.stderr[-2000:]
+SUBPACKAGES = ["hf_lisa.tuner", "hf_lisa.scheduler", "hf_lisa.distributed", "hf_lisa.train", "hf_lisa.hub",
+               "hf_lisa.trainer_callbacks", "hf_lisa.cli"]
+OLD_NAMES = [("trainer_callbacks", "hf_lisa.trainer_callbacks"), ("model_cards", "hf_lisa.model_cards")]
+
+
+def _old_name_code(old: str, new: str) -> str:
+    return (
+        "import warnings, importlib\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    old = importlib.import_module({old!r})\n"
+        f"new = importlib.import_module({new!r})\n"
+        "assert old is new, (old, new)\n"
+        f"assert any(issubclass(w.category, FutureWarning) and {new!r} in str(w.message) for w in caught), caught\n"
+        + (f"import {old}.lisa, {new}.lisa\nassert {old}.lisa is {new}.lisa\n" if old == "trainer_callbacks" else "")
+    )
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters():
+    """Every fresh-interpreter import check of this module, started at once (each is a cold import of torch,
+    transformers and peft, mostly single-threaded): ``{key: (returncode, stderr)}``."""
+    jobs = {module: (f"import warnings; warnings.simplefilter('error', FutureWarning); import {module}", "/")
+            for module in SUBPACKAGES}
+    jobs.update({(old, new): (_old_name_code(old, new), str(REPO)) for old, new in OLD_NAMES})
+    with contextlib.ExitStack() as stack:
+        running = {}
+        for key, (code, cwd) in jobs.items():
+            stderr = stack.enter_context(tempfile.TemporaryFile("w+"))  # a file: a full pipe would stall the child
+            running[key] = (subprocess.Popen([sys.executable, "-c", code], cwd=cwd, stdout=subprocess.DEVNULL,
+                                             stderr=stderr), stderr)
+        results = {}
+        for key, (process, stderr) in running.items():
+            process.wait(timeout=300)
+            stderr.seek(0)
+            results[key] = (process.returncode, stderr.read())
+    return results
+
+
+@pytest.mark.parametrize("module", SUBPACKAGES)
+def test_each_subpackage_imports_on_its_own(module, fresh_interpreters):
+    returncode, stderr = fresh_interpreters[module]
+    assert returncode == 0, stderr[-2000:]
 
 
 def test_pyproject_installs_every_package():
@@ -178,21 +215,10 @@ def test_old_module_paths_warn_and_hand_over_the_same_module():
     assert hf_lisa.LisaConfig is importlib.import_module("hf_lisa.config").LisaConfig
 
 
-@pytest.mark.parametrize("old,new", [("trainer_callbacks", "hf_lisa.trainer_callbacks"),
-                                     ("model_cards", "hf_lisa.model_cards")])
-def test_old_top_level_names_warn_and_hand_over(old, new):
-    code = (
-        "import warnings, importlib\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        f"new = importlib.import_module({new!r})\n"
-        "assert old is new, (old, new)\n"
-        f"assert any(issubclass(w.category, FutureWarning) and {new!r} in str(w.message) for w in caught), caught\n"
-        + (f"import {old}.lisa, {new}.lisa\nassert {old}.lisa is {new}.lisa\n" if old == "trainer_callbacks" else "")
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-2000:]
+@pytest.mark.parametrize("old,new", OLD_NAMES)
+def test_old_top_level_names_warn_and_hand_over(old, new, fresh_interpreters):
+    returncode, stderr = fresh_interpreters[(old, new)]
+    assert returncode == 0, stderr[-2000:]
 
 
 def test_no_warning_on_the_canonical_paths():
