@@ -6,8 +6,9 @@ optimizer-state bytes and eval loss.
 
 * ``levers``: full-parameter LISA at the preset's γ and K (the reference), then one lever at a time: E+H frozen
   (``lisa_always_trainable=none``: backprop stops below the lowest active block), the importance and cyclic samplers,
-  γ ∈ {1, 2, 4} and K ∈ {5, 20, 50}. Ranked by eval-loss gain (step 0 minus the end) per GiB of peak memory and per
-  second of training.
+  γ ∈ {1, 2, 4} and K ∈ {5, 20, 50}. Each row reports the eval-loss gain (step 0 minus the end), and that gain per GiB
+  of peak memory and per 100 s of training (the steps' measured time, evaluations excluded); the best of each is
+  named under the table.
 * ``fair-lr``: full, LoRA, DoRA, LISA and the LISA adapter, each at three learning rates; each method's best rate
   (lowest final eval loss) is compared at equal steps and at equal wall time (the eval-loss curve of each method
   interpolated at the training time of the fastest best run).
@@ -18,7 +19,8 @@ Usage::
     python benchmarks/sweep.py --study fair-lr           # make bench-fair-lr
     python benchmarks/sweep.py --study fair-lr --steps 20 --name quick
 
-Results go to ``benchmarks/results/<date>-<study>.{md,json}``.
+Results go to ``benchmarks/results/<date>-<study>.{md,json,png}``, rewritten after every run, so an interrupted study
+keeps the runs it finished.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 if __package__ in (None, ""):  # `python benchmarks/sweep.py`: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.presets import PRESETS, Preset  # noqa: E402
+from benchmarks.presets import METHODS, PRESETS, Preset  # noqa: E402
 from benchmarks.report import GIB, final_eval_loss, peak_memory_bytes  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -94,9 +96,10 @@ def fair_variants(base: Preset, methods: Sequence[str] = FAIR_METHODS) -> list[V
 # Running
 # ----------------------------------------------------------------------------------------------------------------------
 def run_variants(base: Preset, variants: Sequence[Variant], in_process: bool = False,
-                 log: Callable[[str], None] = print) -> list[dict]:
+                 log: Callable[[str], None] = print,
+                 on_result: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
     """Run each variant in a fresh process (``in_process`` for the smoke test) and return ``compare.py``'s results,
-    each with ``label`` and ``lever`` added."""
+    each with ``label`` and ``lever`` added; ``on_result`` gets the results so far after each run."""
     from benchmarks import compare
 
     results = []
@@ -117,19 +120,26 @@ def run_variants(base: Preset, variants: Sequence[Variant], in_process: bool = F
             else:
                 log(f"[sweep] {variant.label} FAILED: {result.get('error')}")
             results.append(result)
+            if on_result is not None:
+                on_result(results)
     return results
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------------------
+def training_seconds(result: dict) -> float:
+    """The run's training time: the sum of its steps' measured times (evaluations excluded)."""
+    return sum(row["seconds"] for row in result["steps"])
+
+
 def efficiency(result: dict) -> dict[str, Optional[float]]:
     """Eval-loss gain (step 0 minus the end) and that gain per GiB of peak memory and per second of training."""
     if not result.get("ok"):
         return {"gain": None, "per_gib": None, "per_second": None}
     gain = result["evals"][0][1] - result["evals"][-1][1]
     peak = peak_memory_bytes(result)
-    seconds = result["timing"]["train_seconds"]
+    seconds = training_seconds(result)
     return {"gain": gain, "per_gib": gain / (peak / GIB) if peak else None,
             "per_second": gain / seconds if seconds else None}
 
@@ -198,7 +208,7 @@ def render_fair(report: dict) -> str:
         lines.append(f"| {method} | {cells} | {best[method]['learning_rate']:g} |" if method in best
                      else f"| {method} | {cells} | — |")
     if best:
-        train_time = {m: sum(s["seconds"] for s in b["steps"]) for m, b in best.items()}
+        train_time = {m: training_seconds(b) for m, b in best.items()}
         horizon = min(train_time.values())
         lines += ["", f"At the best rate; equal wall time = {horizon:.0f} s of training (the fastest method's run).",
                   "", "| method | final eval loss (equal steps) | eval loss at equal wall time | s/step | peak GiB |",
@@ -209,12 +219,55 @@ def render_fair(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict, path: Path) -> None:
+    """levers: gain per GiB and per 100 s of each variant; fair-lr: the eval-loss curves of each method's best rate
+    against steps and against training time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["results"] if r.get("ok")]
+    if not ok:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if report["study"] == "levers":
+        labels = [r["label"] for r in ok]
+        for ax, key, title in ((axes[0], "per_gib", "eval-loss gain per GiB of peak memory"),
+                               (axes[1], "per_second", "eval-loss gain per 100 s of training")):
+            values = [(efficiency(r)[key] or 0.0) * (100 if key == "per_second" else 1) for r in ok]
+            ax.barh(labels, values)
+            ax.invert_yaxis()
+            ax.set_title(title)
+    else:
+        for method, best in best_per_method(ok).items():
+            clock, elapsed = {0: 0.0}, 0.0
+            for row in best["steps"]:
+                elapsed += row["seconds"]
+                clock[row["step"]] = elapsed
+            label = f"{method} (lr {best['learning_rate']:g})"
+            axes[0].plot([s for s, _ in best["evals"]], [loss for _, loss in best["evals"]], marker="o", label=label)
+            points = [(clock[s], loss) for s, loss in best["evals"] if s in clock]
+            axes[1].plot([t for t, _ in points], [loss for _, loss in points], marker="o", label=label)
+        for ax, xlabel in ((axes[0], "optimizer step"), (axes[1], "training time (s, evaluations excluded)")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("eval loss")
+            ax.set_yscale("log")
+            ax.legend()
+        axes[0].set_title("each method at its best learning rate: equal steps")
+        axes[1].set_title("... and equal wall time")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="benchmarks/sweep.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", required=True, choices=("levers", "fair-lr"))
     parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, help="Optimizer steps per run (default: the preset's).")
-    parser.add_argument("--methods", help=f"fair-lr only: comma-separated subset of {', '.join(FAIR_METHODS)}.")
+    parser.add_argument("--methods", help=f"fair-lr only: comma-separated methods of benchmarks/presets.py (default: "
+                                          f"{', '.join(FAIR_METHODS)}).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR))
     parser.add_argument("--name", help="File stem (default: <date>-<study>).")
     return parser
@@ -222,27 +275,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     base = PRESETS[ns.preset].updated(steps=ns.steps, exact_match_samples=0)
     if ns.study == "levers":
         variants = lever_variants(base)
     else:
         methods = [m.strip() for m in ns.methods.split(",")] if ns.methods else list(FAIR_METHODS)
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            parser.error(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
         variants = fair_variants(base, methods)
     started = _dt.datetime.now()
-    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results = run_variants(base, variants, log=log)
-    report: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "study": ns.study,
-                              "command": "python benchmarks/sweep.py " + " ".join(argv),
-                              "results": results, "total_seconds": (_dt.datetime.now() - started).total_seconds()}
-    text = render_levers(report) if ns.study == "levers" else render_fair(report)
-    text += f"\nTotal runtime: {report['total_seconds'] / 60:.1f} min.\n"
     stem = ns.name or f"{started:%Y-%m-%d}-{ns.study}"
     out = Path(ns.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    print(text)
+    report: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "study": ns.study,
+                              "command": "python benchmarks/sweep.py " + " ".join(argv), "results": []}
+
+    def write(results: list[dict]) -> str:
+        report.update(results=results, total_seconds=(_dt.datetime.now() - started).total_seconds())
+        text = render_levers(report) if ns.study == "levers" else render_fair(report)
+        done = f"{len(results)} of {len(variants)} runs"
+        text += f"\nTotal runtime: {report['total_seconds'] / 60:.1f} min ({done}).\n"
+        (out / f"{stem}.md").write_text(text)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        plot(report, out / f"{stem}.png")
+        return text
+
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    results = run_variants(base, variants, log=log, on_result=write)
+    print(write(results))
     return report
 
 

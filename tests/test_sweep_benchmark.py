@@ -52,7 +52,7 @@ def test_lever_variants_change_one_setting_each(base):
     assert sorted(v.preset(base).lisa_activated_layers for v in variants if v.lever == "γ") == [1, 4]
 
 
-def test_eh_frozen_and_gamma_take_effect(base):
+def test_eh_frozen_and_gamma_take_effect(base, tmp_path):
     variants = [v for v in sweep.lever_variants(base) if v.lever in ("reference", "E+H") or v.label == "γ=1"]
     results = {r["label"]: r for r in sweep.run_variants(base, variants, in_process=True, log=lambda m: None)}
     assert all(r["ok"] for r in results.values()), [r.get("error") for r in results.values()]
@@ -66,12 +66,14 @@ def test_eh_frozen_and_gamma_take_effect(base):
     assert frozen["params"]["trainable_max"] == sum(BLOCK) * 2
     assert [s["optimizer_state_bytes"] for s in gamma1["steps"]] == [adamw(OUTSIDE) + block] * STEPS
 
-    report = {"date": "d", "command": "c", "results": list(results.values())}
+    report = {"date": "d", "command": "c", "study": "levers", "results": list(results.values())}
     table = sweep.render_levers(report)
     assert "E+H frozen" in table and "gain per GiB" in table
+    sweep.plot(report, tmp_path / "levers.png")
+    assert (tmp_path / "levers.png").stat().st_size > 0
 
 
-def test_fair_comparison_picks_each_methods_lowest_eval_loss(base):
+def test_fair_comparison_picks_each_methods_lowest_eval_loss(base, tmp_path):
     variants = [v for v in sweep.fair_variants(base, ["lisa"])][:2]
     results = sweep.run_variants(base, variants, in_process=True, log=lambda m: None)
     assert [r["learning_rate"] for r in results] == list(sweep.LR_GRID["full-parameter"][:2])
@@ -83,3 +85,12 @@ def test_fair_comparison_picks_each_methods_lowest_eval_loss(base):
     assert sweep.eval_loss_at_time(best, 0.0) == pytest.approx(best["evals"][0][1])
     table = sweep.render_fair({"date": "d", "command": "c", "results": results})
     assert f"| lisa | {sweep.LR_GRID['full-parameter'][0]:g}:" in table
+    sweep.plot({"study": "fair-lr", "results": results}, tmp_path / "fair.png")
+    assert (tmp_path / "fair.png").stat().st_size > 0
+
+
+def test_an_unknown_method_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as info:
+        sweep.main(["--study", "fair-lr", "--methods", "lora,qlora"])
+    assert info.value.code == 2
+    assert "--methods: unknown qlora; allowed: full, lora" in capsys.readouterr().err
