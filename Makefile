@@ -39,20 +39,22 @@ test: $(STAMP)
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q tests/distributed
 
-# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (~20 min on 2 CPU cores); see benchmarks/README.md
+# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (14-24 min on 2 CPU cores); benchmarks/README.md
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py --preset cpu-small
 
-# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset; see benchmarks/README.md
+# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset: 8 runs of ~3.5 min on 2 CPU cores
 bench-levers: $(STAMP)
 	$(PY) benchmarks/sweep.py --study levers
 
-# full, LoRA, DoRA, LISA, LISA adapter, each at three learning rates, compared at its best (cpu-small preset)
+# full, LoRA, DoRA, LISA, LISA adapter, each at three learning rates, compared at its best (cpu-small preset):
+# 15 runs, 56 min on 2 CPU cores
 bench-fair-lr: $(STAMP)
 	$(PY) benchmarks/sweep.py --study fair-lr
 
 # peak memory and s/step of full, LoRA and LISA over SmolLM2-135M/360M/1.7B shapes x rows of 128/512/2048 tokens, one
-# process per cell, cells too big for the machine recorded, not run (runtime on 2 shared CPU cores: measuring)
+# process per cell, cells too big for the machine recorded, not run: 2 h for the 135M and 360M cells on 2 loaded CPU
+# cores; the 1.7B cells take longer still
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py
 
