@@ -144,14 +144,19 @@ def efficiency(result: dict) -> dict[str, Optional[float]]:
             "per_second": gain / seconds if seconds else None}
 
 
-def eval_loss_at_time(result: dict, seconds: float) -> Optional[float]:
-    """The eval loss the run had reached after ``seconds`` of training (linear between evaluations; the training
-    time of a step is its measured time, evaluation time excluded)."""
+def eval_points_in_time(result: dict) -> list[tuple[float, float]]:
+    """``(training seconds, eval loss)`` of each evaluation: the steps' measured times summed, evaluations excluded."""
     elapsed, clock = 0.0, {0: 0.0}
     for row in result["steps"]:
         elapsed += row["seconds"]
         clock[row["step"]] = elapsed
-    points = [(clock[step], loss) for step, loss in result["evals"] if step in clock]
+    return [(clock[step], loss) for step, loss in result["evals"] if step in clock]
+
+
+def eval_loss_at_time(result: dict, seconds: float) -> Optional[float]:
+    """The eval loss the run had reached after ``seconds`` of training (linear between evaluations; the training
+    time of a step is its measured time, evaluation time excluded)."""
+    points = eval_points_in_time(result)
     if not points or seconds < points[0][0]:
         return None
     for (t0, l0), (t1, l1) in zip(points, points[1:]):
@@ -241,13 +246,9 @@ def plot(report: dict, path: Path) -> None:
             ax.set_title(title)
     else:
         for method, best in best_per_method(ok).items():
-            clock, elapsed = {0: 0.0}, 0.0
-            for row in best["steps"]:
-                elapsed += row["seconds"]
-                clock[row["step"]] = elapsed
             label = f"{method} (lr {best['learning_rate']:g})"
             axes[0].plot([s for s, _ in best["evals"]], [loss for _, loss in best["evals"]], marker="o", label=label)
-            points = [(clock[s], loss) for s, loss in best["evals"] if s in clock]
+            points = eval_points_in_time(best)
             axes[1].plot([t for t, _ in points], [loss for _, loss in points], marker="o", label=label)
         for ax, xlabel in ((axes[0], "optimizer step"), (axes[1], "training time (s, evaluations excluded)")):
             ax.set_xlabel(xlabel)

@@ -90,7 +90,7 @@ class LisaLayer(BaseTunerLayer):
         self.r[adapter_name] = r
         self.lisa_alpha[adapter_name] = lisa_alpha
         self.scaling[adapter_name] = lisa_alpha / r
-        self.lisa_fuse_sparse[adapter_name] = bool(getattr(config, "fuse_sparse_delta", False))
+        self.lisa_fuse_sparse[adapter_name] = config.fuse_sparse_delta
         self.lisa_dropout[adapter_name] = nn.Dropout(config.lisa_dropout) if config.lisa_dropout > 0 else nn.Identity()
         self.lisa_A[adapter_name] = nn.Linear(self.in_features, r, bias=False)
         self.lisa_B[adapter_name] = nn.Linear(r, self.out_features, bias=False)
@@ -383,10 +383,11 @@ class Linear(nn.Module, LisaLayer):
         """Whether ``x (W + s · M ⊙ (B A))ᵀ + b`` computes what ``base(x) + adapter(x)`` computes, so that the delta
         may join the base matmul (:class:`~hf_lisa.tuner.sparse_delta.FusedSparseLinear`).
 
-        Needs one active adapter, sparse, without dropout and with ``fuse_sparse_delta``; a frozen fp32/fp64 ``nn.Linear`` or ``Conv1D`` base,
-        called directly (no wrapper, no module hooks, no replaced ``forward``: DeepSpeed ZeRO-3, accelerate's offload
-        and FSDP gather weights in hooks, which reading ``base.weight`` here would bypass); plain tensors of one
-        dtype and device; no autocast (it would run the fused matmul in bf16, where ``W + Δ`` loses small deltas).
+        Needs one active adapter, sparse, without dropout and with ``fuse_sparse_delta``; a frozen fp32/fp64
+        ``nn.Linear`` or ``Conv1D`` base, called directly (no wrapper, no module hooks, no replaced ``forward``:
+        DeepSpeed ZeRO-3, accelerate's offload and FSDP gather weights in hooks, which reading ``base.weight`` here
+        would bypass); plain tensors of one dtype and device; no autocast (it would run the fused matmul in bf16,
+        where ``W + Δ`` loses small deltas).
         """
         names = [name for name in self.active_adapters if name in self.lisa_A]
         if len(names) != 1 or names[0] not in self.lisa_mask or not self.lisa_fuse_sparse.get(names[0], False):
