@@ -216,6 +216,8 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         data_collator=data_lib.data_collator(tokenizer),
         callbacks=[recorder] + callbacks,
         optim_step_in_backward=lisa_args.optim_step_in_backward,
+        chunked_loss=preset.chunked_loss,
+        cpu_allocator=preset.cpu_allocator,
     )
 
     # -- the same generation prompts before (once per run) and after ---------------------------------------------------
@@ -264,7 +266,9 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "state_formula": state_formula,
             "optimizer": {"optim": str(getattr(args.optim, "value", args.optim)), "max_grad_norm": args.max_grad_norm,
                           "step_in_backward": lisa_args.optim_step_in_backward},
-            "cpu_allocator": {"policy": preset.cpu_allocator, "applied": allocator},
+            "cpu_allocator": {"policy": preset.cpu_allocator, "applied": allocator,
+                              "trims": trainer.heap_trim.calls if trainer.heap_trim is not None else 0},
+            "chunked_loss": trainer.chunked_loss,
             "training_overrides": spec.training_overrides,
             "learning_rate": lr,
             "ok": True,
@@ -505,8 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lisa-interval-steps", type=int, dest="lisa_interval_steps", help="K.")
     parser.add_argument("--lora-r", type=int, dest="lora_r", help="Adapter rank (lora and lisa-adapter*).")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--cpu-allocator", dest="cpu_allocator", choices=("lean", "default"),
-                        help="hf-lisa train's --cpu_allocator for every method (default: default).")
+    parser.add_argument("--cpu-allocator", dest="cpu_allocator", choices=("default", "trim", "lean"),
+                        help="hf-lisa train's --cpu_allocator for every method (default: the preset's).")
+    parser.add_argument("--chunked-loss", dest="chunked_loss", choices=("true", "false"),
+                        help="hf-lisa train's --chunked_loss for every method (default: the preset's, true).")
     parser.add_argument("--in-process", action="store_true",
                         help="Run every method in this process (fast start; peak memory is then shared).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")
@@ -520,6 +526,8 @@ def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
         "model", "data", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
         "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter", "lisa_activated_layers",
         "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
+    if ns.chunked_loss is not None:
+        overrides["chunked_loss"] = ns.chunked_loss == "true"
     preset = preset.updated(**overrides)
     if ns.methods:
         methods = [m.strip() for m in ns.methods.split(",") if m.strip()]

@@ -118,8 +118,10 @@ class Preset:
         importance_steps: calibration batches of the sparse adapter's importance-based first mask.
         seed: seed of everything (model wrapping, data order, LISA's sampler).
         methods: the methods run by default.
-        cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"default"`` (its default: glibc's
-            own dynamic threshold) or ``"lean"`` (the mmap threshold fixed: freed tensors leave the heap; slower).
+        cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"default"`` (glibc's own
+            behaviour), ``"trim"`` (free heap pages returned where the peak forms) or ``"lean"`` (the mmap threshold
+            fixed: freed tensors leave the heap; slower).
+        chunked_loss: ``hf-lisa train``'s ``--chunked_loss`` for every method.
         lisa_extra: further ``LisaArguments`` fields as ``(name, value)`` pairs, applied to every method after its
             own overrides (``benchmarks/sweep.py`` uses it for one-lever-at-a-time studies).
     """
@@ -147,6 +149,7 @@ class Preset:
     seed: int = 42
     methods: tuple[str, ...] = DEFAULT_METHODS
     cpu_allocator: str = "default"
+    chunked_loss: bool = True
     lisa_extra: tuple[tuple[str, Any], ...] = ()
 
     def updated(self, **overrides: Any) -> "Preset":

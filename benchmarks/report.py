@@ -145,11 +145,22 @@ def render_markdown(report: dict) -> str:
            f"in {preset['steps']} steps)" if k != 20 else ""),
     ]
     applied = [r.get("cpu_allocator", {}).get("applied") for r in ok]
+    trims = [r.get("cpu_allocator", {}).get("trims", 0) for r in ok]
     if any(applied):
         lines.append(f"- **CPU allocator:** {applied[0] or 'glibc defaults'} (`hf-lisa train --cpu_allocator "
                      f"{preset.get('cpu_allocator', 'lean')}`)")
+    elif any(trims):
+        lines.append(f"- **CPU allocator:** glibc, its heap trimmed at the start of each backward pass and before the "
+                     f"embeddings' backward (`--cpu_allocator trim`; {max(trims)} trims in the longest run)")
     else:
-        lines.append("- **CPU allocator:** glibc's defaults (dynamic mmap threshold; `--cpu-allocator lean` fixes it)")
+        lines.append("- **CPU allocator:** glibc's defaults (dynamic mmap threshold; `--cpu-allocator trim` or `lean` "
+                     "returns freed memory)")
+    chunked = {r.get("chunked_loss") for r in ok}
+    if chunked == {True}:
+        lines.append("- **Loss:** the causal-LM loss chunk by chunk (`--chunked_loss`, the default)")
+    elif chunked == {False}:
+        lines.append("- **Loss:** transformers' causal-LM loss over the whole vocabulary at once (`--chunked_loss "
+                     "false`)")
     overrides = [f"`{r['method']}` " + ", ".join(f"{k}={v}" for k, v in r["training_overrides"].items())
                  for r in ok if r.get("training_overrides")]
     if overrides:

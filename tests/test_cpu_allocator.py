@@ -1,4 +1,5 @@
-"""``--cpu_allocator``: glibc's mmap threshold fixed on CPU (``lean``), left alone otherwise."""
+"""``--cpu_allocator``: glibc's mmap threshold fixed on CPU (``lean``), the heap trimmed where a step's peak forms
+(``trim``), left alone otherwise."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from hf_lisa.train import parse_args
-from hf_lisa.train.memory import LEAN_MMAP_THRESHOLD, apply_cpu_allocator
+from hf_lisa.train.memory import LEAN_MMAP_THRESHOLD, apply_cpu_allocator, heap_trim
 
 
 def _glibc():
@@ -65,5 +66,50 @@ def test_option_values():
     *_, lisa_args, _ = parse_args(["--output_dir", "unused", "--report_to", "none", "--method", "lora",
                                    "--cpu_allocator", "default"])
     assert lisa_args.cpu_allocator == "default"
-    with pytest.raises(ValueError, match=r"--cpu_allocator='tcmalloc' is invalid; allowed: lean, default"):
+    with pytest.raises(ValueError, match=r"--cpu_allocator='tcmalloc' is invalid; allowed: default, trim, lean"):
         parse_args(["--output_dir", "unused", "--report_to", "none", "--cpu_allocator", "tcmalloc"])
+
+
+def _train(tiny_llama, token_dataset, training_args, allocator: str, method: str = "full"):
+    from hf_lisa.train import LisaTrainer
+
+    model = tiny_llama(num_layers=2, tie=True)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = LisaTrainer(model=model, args=training_args(max_steps=3, logging_steps=1),
+                          train_dataset=token_dataset(num_examples=12), cpu_allocator=allocator)
+    trainer.train()
+    return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trim_runs_at_the_start_of_each_backward_and_before_the_embeddings_backward(
+        tiny_llama, token_dataset, training_args):
+    if _glibc() is None:
+        pytest.skip("glibc malloc only")
+    plain, expected = _train(tiny_llama, token_dataset, training_args, "default")
+    assert plain.heap_trim is None
+    trimmed, weights = _train(tiny_llama, token_dataset, training_args, "trim")
+    assert trimmed.heap_trim.calls == 2 * 3  # the loss and the embeddings' output, in each of 3 steps
+    for name, value in weights.items():  # the hooks pass every gradient through unchanged
+        assert torch.equal(value, expected[name]), name
+    trimmed.evaluate(token_dataset(num_examples=4))  # no backward pass: no trim
+    assert trimmed.heap_trim.calls == 6
+
+
+def test_trim_skips_the_embeddings_hook_when_no_gradient_reaches_them(tiny_llama, token_dataset, training_args):
+    if _glibc() is None:
+        pytest.skip("glibc malloc only")
+    trimmed, _ = _train(tiny_llama, token_dataset, training_args, "trim", method="lora")
+    assert trimmed.heap_trim.calls == 3  # frozen embeddings: their output needs no gradient; the loss's hook only
+
+
+def test_trim_is_off_the_cpu_or_unless_chosen(monkeypatch):
+    assert heap_trim("default", on_cpu=True) is None
+    assert heap_trim("lean", on_cpu=True) is None
+    assert heap_trim("trim", on_cpu=False) is None
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")
+    assert heap_trim("trim", on_cpu=True) is None
+    with pytest.raises(ValueError, match="allowed: default, trim, lean"):
+        heap_trim("sometimes", on_cpu=True)

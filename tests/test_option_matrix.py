@@ -61,6 +61,7 @@ NON_DEFAULT: dict[str, list[str]] = {
     "fuse_sparse_delta": ["false"],
     "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
     "cpu_allocator": ["lean"],
+    "chunked_loss": ["false"],
 }
 OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
 

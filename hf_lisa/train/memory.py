@@ -1,4 +1,4 @@
-"""The memory options of a training job: ``--optim_step_in_backward`` and ``--cpu_allocator``.
+"""The memory options of a training job: ``--optim_step_in_backward``, ``--cpu_allocator`` and ``--chunked_loss``.
 
 * ``--optim_step_in_backward``: AdamW stepped inside the backward pass, one parameter at a time, its gradient freed at
   once ([`hf_lisa.scheduler.step_in_backward.AdamWInBackward`]: plain AdamW's groups, state and update, so the LR
@@ -8,11 +8,14 @@
 * ``--cpu_allocator``: on CPU, the C allocator decides how much freed memory the process keeps. glibc's ``malloc``
   raises its mmap threshold each time it frees a large block (up to 32 MiB), so after the first step every activation
   and gradient is carved from the heap, whose freed fragments stay resident: on SmolLM2-135M, full-parameter LISA
-  peaked ~250 MiB (20% of its floor) above the tensors alive at any moment. ``lean`` fixes the threshold at glibc's
-  default (:func:`apply_cpu_allocator`), so blocks of 128 KiB and more are returned to the system when freed. It is
-  opt-in because it costs time: every large tensor is then a fresh mapping whose pages the kernel faults in and zeroes.
-  Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/compare.py --cpu-allocator lean|default``):
-  full-parameter LISA 0.90× the peak RSS at 1.34× the step time, full fine-tuning 0.90× at 1.49×.
+  peaked ~250 MiB (20% of its floor) above the tensors alive at any moment, at the start of the backward pass (the
+  forward pass's temporaries are freed fragments by then) and in the embedding's backward (the blocks' activations
+  are). ``trim`` (:class:`HeapTrim`) calls glibc's ``malloc_trim(0)`` at exactly those two points of every training
+  step, returning the free pages inside the heap to the system; ``lean`` fixes the mmap threshold at glibc's default
+  (:func:`apply_cpu_allocator`), so every block of 128 KiB and more is returned when freed, at a page fault per page
+  of each new one. Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/compare.py --cpu-allocator``):
+  ``lean`` gave full-parameter LISA 0.90× the peak RSS at 1.34× the step time, full fine-tuning 0.90× at 1.49×.
+* ``--chunked_loss``: the causal-LM loss without its vocabulary-sized temporaries (:mod:`hf_lisa.train.loss`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ STEP_IN_BACKWARD_METHODS = ("lisa", "full")
 STEP_IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 OPTION = "optim_step_in_backward"
 #: ``--cpu_allocator`` values
-CPU_ALLOCATORS = ("lean", "default")
+CPU_ALLOCATORS = ("default", "trim", "lean")
 #: the mmap threshold ``lean`` fixes: glibc's own default, which glibc otherwise raises as large blocks are freed
 LEAN_MMAP_THRESHOLD = 128 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
@@ -49,11 +52,19 @@ logger = logging.getLogger("hf_lisa.train")
 def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """``(name, type, field)`` of the memory options, for ``dataclasses.make_dataclass`` (``LisaArguments``)."""
     return [step_in_backward_field(), ("cpu_allocator", str, field(default="default", metadata={
-        "help": "CPU training with glibc (Linux): 'default' keeps glibc's behaviour; 'lean' fixes malloc's mmap "
-        "threshold at 128 KiB, so the activations and gradients freed in each step go back to the system instead of "
-        "staying resident as heap fragments: a tenth less peak RSS on SmolLM2-135M, at 1.3-1.5x the step time "
-        "(each large tensor's pages are faulted in and zeroed anew). Nothing is changed on GPU, with MALLOC_* "
-        "variables set, or with jemalloc/tcmalloc/mimalloc preloaded."}))]
+        "help": "CPU training with glibc (Linux): what happens to the memory each step frees. 'default' keeps "
+        "glibc's behaviour (freed fragments stay resident in the heap); 'trim' returns the heap's free pages to the "
+        "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
+        "forms; 'lean' fixes malloc's mmap threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the "
+        "system when freed: a tenth less peak RSS on SmolLM2-135M, at 1.3-1.5x the step time (each large tensor's "
+        "pages are faulted in and zeroed anew). Nothing is changed on GPU or with jemalloc/tcmalloc/mimalloc "
+        "preloaded; 'lean' also leaves MALLOC_* variables as set."})),
+            ("chunked_loss", bool, field(default=True, metadata={
+                "help": "Compute a causal LM's loss a few hundred tokens at a time: no log-softmax over the whole "
+                "vocabulary is kept for the backward pass, and its gradient is written chunk by chunk, so the logits "
+                "and their gradient are the only vocabulary-sized tensors (each tokens x vocabulary x 4 bytes). The "
+                "same loss and gradients to float rounding. Models whose loss is not transformers' causal-LM loss "
+                "keep theirs."}))]
 
 
 def step_in_backward_field() -> tuple[str, Any, dataclasses.Field]:
@@ -80,6 +91,66 @@ def check_memory_options(lisa_args, training_args) -> None:
     check_step_in_backward(lisa_args, training_args)
 
 
+def _glibc() -> Optional[ctypes.CDLL]:
+    """glibc's ``libc.so.6`` when this process allocates through it (Linux, no preloaded allocator), else ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in _OTHER_ALLOCATORS):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None  # musl has no such symbol
+
+
+class HeapTrim:
+    """``--cpu_allocator trim``: glibc's ``malloc_trim(0)`` where a training step's peak forms.
+
+    Two points of each backward pass: its start (a hook on the loss, :meth:`on_loss`: the forward pass's temporaries are
+    freed fragments between the activations by then) and the gradient of the input embeddings' output (a hook that
+    :meth:`attach` places: the blocks' activations are freed, and the embedding's weight-sized gradient is next).
+    ``malloc_trim`` returns every free page inside the heap to the system (``madvise``), not only its top. The hooks
+    pass gradients through unchanged, and do nothing outside a backward pass. :attr:`calls` counts the trims.
+    """
+
+    def __init__(self, libc: ctypes.CDLL):
+        self._malloc_trim = libc.malloc_trim
+        self.calls = 0
+
+    def __call__(self, grad: torch.Tensor) -> None:  # a tensor hook: the gradient passes unchanged
+        self._malloc_trim(0)
+        self.calls += 1
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """Trim when the backward pass of ``loss`` starts."""
+        if torch.is_grad_enabled() and loss.requires_grad:
+            loss.register_hook(self)
+
+    def attach(self, model: torch.nn.Module):
+        """Trim before the backward pass of ``model``'s input embeddings; returns the hook's handle (``None`` when the
+        model has no input embeddings)."""
+        try:
+            embeddings = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+        if not isinstance(embeddings, torch.nn.Module):
+            return None
+        return embeddings.register_forward_hook(self._on_embeddings_output)
+
+    def _on_embeddings_output(self, module, args, output) -> None:
+        if isinstance(output, torch.Tensor):
+            self.on_loss(output)
+
+
+def heap_trim(policy: str, on_cpu: bool) -> Optional[HeapTrim]:
+    """A :class:`HeapTrim` for ``--cpu_allocator trim`` on a CPU with glibc, else ``None``."""
+    if policy not in CPU_ALLOCATORS:
+        raise ValueError(f"cpu_allocator={policy!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
+    libc = _glibc() if policy == "trim" and on_cpu else None
+    return HeapTrim(libc) if libc is not None else None
+
+
 def apply_cpu_allocator(policy: str, on_cpu: bool) -> Optional[str]:
     """Apply ``--cpu_allocator`` to this process's ``malloc``; returns what was done (for the log), else ``None``.
 
@@ -92,7 +163,7 @@ def apply_cpu_allocator(policy: str, on_cpu: bool) -> Optional[str]:
     """
     if policy not in CPU_ALLOCATORS:
         raise ValueError(f"cpu_allocator={policy!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
-    if policy == "default" or not on_cpu or not sys.platform.startswith("linux"):
+    if policy != "lean" or not on_cpu or not sys.platform.startswith("linux"):
         return None
     user_set = [k for k in os.environ if k.startswith("MALLOC_")]
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
@@ -101,11 +172,8 @@ def apply_cpu_allocator(policy: str, on_cpu: bool) -> Optional[str]:
     if user_set or preloaded:
         logger.info("--cpu_allocator lean: left as set by %s.", ", ".join(sorted(user_set) + preloaded))
         return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only (musl has no such symbol)
+    libc = _glibc()
+    if libc is None:
         return None
     if libc.mallopt(_M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD) != 1:
         return None

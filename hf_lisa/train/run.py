@@ -165,6 +165,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         layerwise_lr_decay=lisa_args.layerwise_lr_decay,
         layers_attribute=lisa_args.lisa_layers_attribute,
         optim_step_in_backward=lisa_args.optim_step_in_backward,
+        chunked_loss=lisa_args.chunked_loss,
+        cpu_allocator=lisa_args.cpu_allocator,
     )
     monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
     _pin_tensorboard_logging_dir(trainer)

@@ -15,7 +15,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 
 from ..scheduler.step_in_backward import steps_in_backward
 from ..trainer_callbacks.state import ScheduleCheckpoint
-from .memory import step_in_backward_optimizer
+from .loss import install_chunked_loss
+from .memory import apply_cpu_allocator, heap_trim, step_in_backward_optimizer
 from .output_dir import STAGING_PREFIX, fsync_tree
 
 logger = logging.getLogger("hf_lisa.train")
@@ -88,15 +89,32 @@ class LisaTrainer(Trainer):
     for what that excludes); its hooks are armed during ``train()`` only, and the logged ``grad_norm`` is the norm
     the hooks measured.
 
+    Two memory options (see :mod:`hf_lisa.train.memory`): ``chunked_loss=True`` (the default) gives a causal LM
+    whose loss is transformers' own :func:`~hf_lisa.train.loss.chunked_causal_lm_loss` as its ``loss_function`` (the
+    same value without the vocabulary-sized temporaries), and ``cpu_allocator="trim"`` returns the heap's free pages
+    to the system at the two points of each CPU backward pass where the peak forms (``"lean"`` applies
+    [`~hf_lisa.train.memory.apply_cpu_allocator`]).
+
     Args:
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
         layers_attribute: dotted path of the block list, when auto-detection cannot find it.
         optim_step_in_backward: step AdamW in the backward pass (one process, no gradient accumulation or clipping).
+        chunked_loss: compute the causal-LM loss chunk by chunk (the model's ``loss_function`` is replaced).
+        cpu_allocator: ``"default"``, ``"trim"`` or ``"lean"``; only on CPU with glibc.
     """
 
     def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None,
-                 optim_step_in_backward: bool = False, **kwargs):
+                 optim_step_in_backward: bool = False, chunked_loss: bool = True, cpu_allocator: str = "default",
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.chunked_loss = chunked_loss and install_chunked_loss(self.model)
+        on_cpu = self.args.device.type == "cpu"
+        applied = apply_cpu_allocator(cpu_allocator, on_cpu=on_cpu)  # "lean"; hf-lisa train applied it already
+        if applied:
+            logger.debug(applied)
+        self.heap_trim = heap_trim(cpu_allocator, on_cpu=on_cpu)
+        if self.heap_trim is not None:
+            self.heap_trim.attach(self.model)
         self.layerwise_lr_decay = layerwise_lr_decay
         self.layers_attribute = layers_attribute
         self.optim_step_in_backward = optim_step_in_backward
@@ -134,6 +152,13 @@ class LisaTrainer(Trainer):
         optimizer_kwargs.pop("lr", None)  # each group carries its own rate
         self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
         return self.optimizer
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if self.heap_trim is not None and model.training:
+            self.heap_trim.on_loss(result[0] if return_outputs else result)
+        return result
 
     def _get_grad_norm(self, model, grad_norm=None):
         stepping = steps_in_backward(self.optimizer)
