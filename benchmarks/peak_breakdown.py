@@ -14,7 +14,9 @@ each phase of the step, the highest RSS and what made it up at that moment:
 Usage::
 
     python benchmarks/peak_breakdown.py                          # glibc's dynamic mmap threshold (hf-lisa's default)
+    python benchmarks/peak_breakdown.py --cpu-allocator trim     # the heap trimmed where the peak forms
     python benchmarks/peak_breakdown.py --cpu-allocator lean     # the mmap threshold fixed at 128 KiB
+    python benchmarks/peak_breakdown.py --chunked-loss false     # transformers' loss over the whole vocabulary
     python benchmarks/peak_breakdown.py --step-in-backward       # AdamW stepped in the backward pass
 
 Linux with glibc only (``mallinfo2``, glibc >= 2.33).
@@ -49,7 +51,8 @@ def _malloc_in_use(libc) -> int:
     return info.uordblks + info.hblkhd
 
 
-def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: bool = False, gamma: int = 2,
+def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: bool = False, chunked_loss: bool = True,
+              gamma: int = 2,
               interval: int = 3, batch_size: int = 4, seq_len: int = 128, seed: int = 42) -> dict:
     """Run ``steps`` LISA steps and return, per phase, the peak RSS and its make-up (MiB above the RSS before the
     model was loaded)."""
@@ -60,7 +63,8 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     from hf_lisa.scheduler.step_in_backward import AdamWInBackward
     from hf_lisa.train import ModelArguments, load_model_and_tokenizer, resolve_model_path
     from hf_lisa.train import data as data_lib
-    from hf_lisa.train.memory import apply_cpu_allocator
+    from hf_lisa.train.loss import install_chunked_loss
+    from hf_lisa.train.memory import apply_cpu_allocator, heap_trim
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
@@ -107,6 +111,10 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
                 peaks[name] = {"rss": rss, "used": used, "state": state, "grads": grads}
             time.sleep(0.0005)
 
+    chunked = chunked_loss and install_chunked_loss(model)  # as LisaTrainer does
+    trim = heap_trim(cpu_allocator, on_cpu=True)
+    if trim is not None:
+        trim.attach(model)
     head = model.get_output_embeddings()
     head.register_forward_hook(lambda *_: phase.__setitem__(0, "forward: logits and loss"))
     head.register_full_backward_pre_hook(lambda *_: phase.__setitem__(0, "backward: LM head"))
@@ -140,7 +148,9 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
             loss = model(**batch).loss
         saved_per_step.append(sum(saved.values()))
         vocab_bytes.append(batch["input_ids"].numel() * model.config.vocab_size * 4)
-        phase[0] = "backward: loss (log-softmax, NLL)"
+        phase[0] = "backward: loss"
+        if trim is not None:
+            trim.on_loss(loss)
         loss.backward()
         del loss
         phase[0] = "clipping (global norm)"
@@ -161,35 +171,46 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
             "gradients": p["grads"] / MIB, "activations_temporaries": (p["used"] - p["state"] - p["grads"]) / MIB,
             "allocator_slack_other": (rss - weights - p["used"]) / MIB,
         }
+    if trim is not None:
+        allocator = f"glibc, heap trimmed where the peak forms ({trim.calls} trims)"
     return {"allocator": allocator or "glibc defaults", "step_in_backward": step_in_backward, "steps": steps,
+            "chunked_loss": chunked,
             "phases": rows_out, "saved_for_backward_max": max(saved_per_step) / MIB,
             "vocabulary_tensor_max": max(vocab_bytes) / MIB}
 
 
 def render(result: dict) -> str:
     cols = ("peak_rss", "weights", "optimizer_state", "gradients", "activations_temporaries", "allocator_slack_other")
-    lines = [f"allocator: {result['allocator']}; step in backward: {result['step_in_backward']}; "
+    lines = [f"allocator: {result['allocator']}; step in backward: {result['step_in_backward']}; chunked loss: "
+             f"{result.get('chunked_loss', False)}; "
              f"{result['steps']} steps (MiB above the RSS before the model loaded)", "",
              "| phase | peak RSS | weights | optimizer state | gradients | activations + temporaries | "
              "allocator slack + other |", "|---|--:|--:|--:|--:|--:|--:|"]
     for name, row in result["phases"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[c]:.0f}" for c in cols) + " |")
+    vocab = f"{result['vocabulary_tensor_max']:.0f} MiB"
+    if result.get("chunked_loss"):
+        loss = (f"of which the logits are {vocab} (the chunked loss keeps them and 4 bytes a token); the only other "
+                "vocabulary-sized tensor, their gradient, is as large")
+    else:
+        loss = (f"of which the fp32 log-softmax of the vocabulary is {vocab}; each other vocabulary-sized tensor "
+                "(logits, the NLL and log-softmax gradients) is as large")
     lines += ["", f"Saved for the backward pass (largest step, parameters excluded): "
-              f"{result['saved_for_backward_max']:.0f} MiB, of which the fp32 log-softmax of the vocabulary is "
-              f"{result['vocabulary_tensor_max']:.0f} MiB; each other vocabulary-sized tensor (logits, the NLL and "
-              f"log-softmax gradients) is as large. Gradients are the `.grad` tensors: a tied E/H gradient waits "
-              "in autograd's buffer (counted as a temporary) until the embedding's half arrives."]
+              f"{result['saved_for_backward_max']:.0f} MiB, {loss}. Gradients are the `.grad` tensors: a tied E/H "
+              "gradient waits in autograd's buffer (counted as a temporary) until the embedding's half arrives."]
     return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="benchmarks/peak_breakdown.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--cpu-allocator", choices=("lean", "default"), default="default")
+    parser.add_argument("--cpu-allocator", choices=("default", "trim", "lean"), default="default")
+    parser.add_argument("--chunked-loss", choices=("true", "false"), default="true")
     parser.add_argument("--step-in-backward", action="store_true")
     parser.add_argument("--json", help="Also write the numbers to this file.")
     ns = parser.parse_args(argv)
-    result = breakdown(steps=ns.steps, cpu_allocator=ns.cpu_allocator, step_in_backward=ns.step_in_backward)
+    result = breakdown(steps=ns.steps, cpu_allocator=ns.cpu_allocator, step_in_backward=ns.step_in_backward,
+                       chunked_loss=ns.chunked_loss == "true")
     print(render(result))
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=1))

@@ -89,6 +89,7 @@ class ScalingSettings:
     lora_r: int = _BASE.lora_r
     lora_alpha: float = _BASE.lora_alpha
     seed: int = _BASE.seed
+    chunked_loss: bool = True
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     trainer = MeasuredTrainer(
         model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
         data_collator=transformers.default_data_collator, callbacks=[recorder, Progress()] + callbacks,
+        chunked_loss=settings.chunked_loss,
     )
     trainer.train()
 
@@ -430,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a floor above this is recorded as 'does not fit' without running")
     p.add_argument("--defer-wait-s", type=float, default=MemoryPolicy.defer_wait_s,
                    help="how long a deferred cell waits at the end for the memory it needs")
+    p.add_argument("--chunked-loss", choices=("true", "false"), default="true",
+                   help="hf-lisa train's --chunked_loss in every cell (default: true, its default)")
     p.add_argument("--in-process", action="store_true", help="run the cells in this process (peaks then overlap)")
     p.add_argument("--resume", action="store_true", help="keep the finished cells of the results file; run the rest")
     p.add_argument("--output-dir", default=str(RESULTS_DIR), help="where the results go (default: %(default)s)")
@@ -457,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     methods = parse_csv(ns.methods, METHODS, "--methods")
     if ns.steps < 2:
         raise SystemExit(f"--steps={ns.steps} is invalid; allowed: an integer >= 2 (the first step is a warm-up).")
-    settings = ScalingSettings(steps=ns.steps, threads=ns.threads)
+    settings = ScalingSettings(steps=ns.steps, threads=ns.threads, chunked_loss=ns.chunked_loss == "true")
     policy = replace(MemoryPolicy(), timeout_s=ns.timeout_s, fit_limit_gib=ns.fit_limit_gib,
                      defer_wait_s=ns.defer_wait_s)
     started = _dt.datetime.now()

@@ -141,7 +141,11 @@ def render_markdown(report: dict) -> str:
         f"the first a warm-up, s/step the median of the others; constant LR {s.get('lr_full_parameter')} "
         f"(full, LISA) and {s.get('lr_adapter')} (LoRA r={s.get('lora_r')}, alpha={s.get('lora_alpha')}, all "
         f"linear layers); LISA: E+H+final norm + γ={s.get('lisa_activated_layers')} blocks through `LisaCallback`, "
-        f"K={s.get('lisa_interval_steps')} (no switch inside a cell). Peak = the cell's process RSS during training "
+        f"K={s.get('lisa_interval_steps')} (no switch inside a cell); "
+        + ("the loss chunk by chunk (`--chunked_loss`, hf-lisa train's default). " if s.get("chunked_loss") else
+           "transformers' loss over the whole vocabulary at once (measured before `--chunked_loss` existed, or with "
+           "it off). ")
+        + "Peak = the cell's process RSS during training "
         "(reset when training starts; includes Python/torch and the weights), or CUDA max allocated on a GPU. "
         + ("Cells ran in one process: their peaks overlap." if report.get("in_process") and s.get("device") == "cpu"
            else "Each cell in a fresh process." if not report.get("in_process") else "Cells ran in one process."),

@@ -108,3 +108,13 @@ def test_training_follows_the_unchunked_run(tiny_llama, token_dataset, training_
     for name, value in weights[True].items():
         torch.testing.assert_close(value, weights[False][name], rtol=1e-5, atol=1e-6)
     assert any(not torch.equal(weights[True][n], start[n]) for n in weights[True])  # it trained
+
+
+def test_rows_that_do_not_count_cannot_poison_the_loss():
+    logits, labels = _logits_and_labels()
+    with torch.no_grad():
+        logits[2, -3:] = float("nan")  # e.g. padded positions; their labels are -100
+    loss = chunked_causal_lm_loss(logits, labels, 50)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(loss) and torch.isfinite(grad[:2]).all()
+    assert torch.equal(grad[2, -3:], torch.zeros_like(grad[2, -3:]))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 import hf_lisa
 from hf_lisa.tuner import masks as M
@@ -260,3 +260,29 @@ def test_calibration_gives_the_same_mask_under_activation_checkpointing(
         assert [u["step"] for u in lisa.mask_updates] == [2, 5]
         masks.append([layer.get_mask("default") for _, layer in lisa.mask_scheduler.layers])
     assert all(torch.equal(a, b) for a, b in zip(*masks))
+
+
+def test_a_fresh_blocks_calibration_takes_at_most_half_of_its_period(tiny_llama, token_dataset, training_args, caplog):
+    # K = 5, importance_steps = 4: before, a block sampled for the first time spent 4 of its 5 steps calibrating
+    # (its update withheld); now it calibrates for K // 2 = 2 and trains for 3. Re-selections keep the K - 1 cap.
+    config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
+                                importance_steps=4, mask_update_interval=0, lisa_activated_layers=1,
+                                lisa_interval_steps=5)
+    model = get_peft_model(tiny_llama(num_layers=2), config)
+    lisa = LisaAdapterCallback(seed=0)
+    moved = []
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.before = _snapshot(model)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            after = dict(model.named_parameters())
+            moved.append(any(not torch.equal(after[n], v) for n, v in self.before.items() if ".lisa_B." in n))
+
+    with caplog.at_level("INFO"):
+        _train(model, training_args(max_steps=5), token_dataset(), [lisa, Watch()])
+    assert (lisa.mask_scheduler.calibration_window, lisa.mask_scheduler.window) == (2, 4)
+    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(2, "calibration")]
+    assert moved == [False, False, True, True, True]  # B held at 0 for the 2 calibration steps, then trained
+    assert "calibration (its update withheld) takes 2 steps, half of lisa_interval_steps=5" in caplog.text

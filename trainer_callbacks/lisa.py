@@ -305,6 +305,12 @@ class LisaAdapterCallback(_LisaCallbackBase):
         )
         if not mask_scheduler.layers:
             mask_scheduler = None
+        elif not mask_scheduler.calibrated and mask_scheduler.calibration_window < mask_scheduler.importance_steps:
+            logger.info(
+                "importance_steps=%d: a fresh adapter's mask calibration (its update withheld) takes %d steps, half of "
+                "lisa_interval_steps=%d, so that a block sampled for the first time trains for the rest of its period; "
+                "re-selections gather %d.", mask_scheduler.importance_steps, mask_scheduler.calibration_window,
+                layer_scheduler.interval_steps, mask_scheduler.window)
         tuner = tuner_of(model)
         interpolation = tuner.interpolation_parameters() if tuner is not None else []
         if layer_scheduler is None and mask_scheduler is None and not interpolation:

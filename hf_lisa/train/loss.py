@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -44,12 +45,14 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             chunk = logits[start:start + rows].float()
             lse[start:start + rows] = torch.logsumexp(chunk, dim=-1)
             picked = chunk.gather(1, safe[start:start + rows]).squeeze(1)
-            total += ((lse[start:start + rows] - picked) * counts[start:start + rows]).sum()
+            # where(), not a product: a row that does not count adds 0 even if its logits are not finite
+            total += torch.where(counts[start:start + rows], lse[start:start + rows] - picked, 0.0).sum()
         ctx.save_for_backward(logits, safe, counts, lse)
         ctx.rows = rows
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total: torch.Tensor):
         logits, safe, counts, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
@@ -58,7 +61,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             end = start + ctx.rows
             probs = (logits[start:end].float() - lse[start:end, None]).exp_()  # softmax
             probs.scatter_add_(1, safe[start:end], -torch.ones_like(probs[:, :1]))  # − one-hot
-            grad[start:end] = probs.mul_(weight[start:end, None])
+            grad[start:end] = probs.mul_(weight[start:end, None]).masked_fill_(~counts[start:end, None], 0.0)
         return grad, None, None, None
 
 

@@ -184,7 +184,8 @@ class LisaConfig(PeftConfig):
         mask_seed (`int`, defaults to `0`): seed of the `"random"` mask.
         mask_update_interval (`int`, defaults to `1000`): re-select `M` every this many optimizer steps; 0 never.
         importance_steps (`int`, defaults to `8`): optimizer steps over which importance is accumulated before a
-            selection (capped at `lisa_interval_steps - 1` under layerwise sampling).
+            selection (capped at `lisa_interval_steps - 1` under layerwise sampling, and a fresh adapter's calibration,
+            whose update is withheld, at half of `lisa_interval_steps`).
         mask_keep_learned (`float`, defaults to `1.0`): weight of `|ΔW|` beside `|∂L/∂W|` in the re-selection score;
             0 scores by the gradient alone.
         new_block_bonus (`float`, defaults to `0.5`): bonus (× mean kept score) for cells switched on at the previous
