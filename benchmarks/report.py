@@ -18,6 +18,15 @@ GIB = 2**30
 # ----------------------------------------------------------------------------------------------------------------------
 # Numbers per method
 # ----------------------------------------------------------------------------------------------------------------------
+
+def _base_parameters(results: list[dict]) -> str:
+    """The model's own parameter count: a full-parameter method's total (an adapter method's includes its adapters)."""
+    full = [r["params"]["total"] for r in results if r.get("family") == "full-parameter" and r.get("params")]
+    if full:
+        return _count(min(full))
+    totals = [r["params"]["total"] for r in results if r.get("params")]
+    return f"{_count(min(totals))} (with adapters)" if totals else "?"
+
 def peak_memory_bytes(result: dict) -> Optional[int]:
     """CUDA ``max_memory_allocated`` on GPU, else the peak RSS of the training phase."""
     memory = result["memory"]
@@ -131,7 +140,7 @@ def render_markdown(report: dict) -> str:
         f"{versions.get('transformers', '?')}, peft {versions.get('peft', '?')}",
         f"- **Model:** {first.get('model', preset['model'])} "
         f"({preset['dtype']}{', bf16 autocast' if preset['bf16'] else ''})"
-        f", {_count(first.get('params', {}).get('total'))} parameters, "
+        f", {_base_parameters(ok)} parameters, "
         f"{first.get('inventory', {}).get('num_blocks', '?')} blocks",
         f"- **Data:** {first.get('data', preset['data'])}: {first.get('train_rows', '?')} training rows, "
         f"fixed eval set of {first.get('eval_rows', '?')} rows (eval loss every {preset['eval_every']} steps and at "
@@ -380,9 +389,10 @@ def findings(report: dict) -> list[str]:
         md, ms = metrics(dense), metrics(sparse)
         out.append(
             f"`lisa-adapter-sparse` vs `lisa-adapter`: step time {_x(ratio(ms['step_time'], md['step_time']))}, peak "
-            f"memory {_x(ratio(ms['peak_memory'], md['peak_memory']))}. The sparse path materialises M ⊙ (B A) for "
-            "every adapted linear in every forward pass (one more weight-sized matmul per layer), and autograd keeps "
-            "it in every block the backward pass crosses; the dense path is LoRA's two thin matmuls."
+            f"memory {_x(ratio(ms['peak_memory'], md['peak_memory']))}. The sparse path forms M ⊙ (B A) for every "
+            "adapted linear (a weight-sized product; by default it joins the base matmul, `fuse_sparse_delta`) and "
+            "recomputes it in the backward pass from the packed mask instead of keeping it; the dense path is LoRA's "
+            "two thin matmuls."
         )
     probes = [(r["method"], r["floor"].get("activation_probe") or {}) for r in ok.values()]
     devs = [(m, p["measured_bytes"] / p["estimate_bytes"] - 1) for m, p in probes if p.get("estimate_bytes")]
