@@ -39,11 +39,11 @@ test: $(STAMP)
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q tests/distributed
 
-# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (14-24 min on 2 CPU cores); benchmarks/README.md
+# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side (14-26 min on 2 CPU cores); benchmarks/README.md
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py --preset cpu-small
 
-# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset: 8 runs of ~3.5 min on 2 CPU cores
+# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset: 8 runs, 26 min on 2 CPU cores
 bench-levers: $(STAMP)
 	$(PY) benchmarks/sweep.py --study levers
 
