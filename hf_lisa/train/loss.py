@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..blocks import _unwrap
+
 logger = logging.getLogger("hf_lisa.train")
 
 #: values per chunk of the loss's fp32 temporaries (16 MiB): ``max(1, CHUNK_VALUES // vocabulary)`` rows at a time
@@ -97,30 +99,15 @@ def chunked_causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor],
     return chunked_cross_entropy(logits.reshape(-1, vocab_size), targets, num_items_in_batch, ignore_index)
 
 
-def _causal_lm_model(model: nn.Module) -> Optional[nn.Module]:
-    """The ``PreTrainedModel`` under PEFT's wrappers (``PeftModel.base_model.model``), if any."""
-    from transformers import PreTrainedModel
-
-    seen = model
-    for _ in range(4):
-        if isinstance(seen, PreTrainedModel):
-            return seen
-        inner = getattr(seen, "base_model", None)
-        inner = getattr(inner, "model", inner) if inner is not None and inner is not seen else None
-        if inner is None or inner is seen:
-            return None
-        seen = inner
-    return None
-
-
 def install_chunked_loss(model: nn.Module) -> bool:
     """Give ``model`` :func:`chunked_causal_lm_loss` as its ``loss_function`` when its loss is transformers' own
     causal-LM loss (``ForCausalLMLoss``); returns whether it did. A model with another loss (a custom
     ``loss_function``, another ``loss_type``) keeps it, with a log line."""
+    from transformers import PreTrainedModel
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    target = _causal_lm_model(model)
-    if target is None or not hasattr(type(target), "loss_function"):
+    target = _unwrap(model)  # PeftModel, PEFT tuners, DDP: down to the transformers model
+    if not isinstance(target, PreTrainedModel):
         logger.info("--chunked_loss: %s is not a transformers model; its loss is unchanged.", type(model).__name__)
         return False
     current = target.loss_function

@@ -14,7 +14,8 @@
   step, returning the free pages inside the heap to the system; ``lean`` fixes the mmap threshold at glibc's default
   (:func:`apply_cpu_allocator`), so every block of 128 KiB and more is returned when freed, at a page fault per page
   of each new one. Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/compare.py --cpu-allocator``):
-  ``lean`` gave full-parameter LISA 0.90× the peak RSS at 1.34× the step time, full fine-tuning 0.90× at 1.49×.
+  ``trim`` gave full-parameter LISA 0.90× the peak RSS (1.11× its floor instead of 1.28×) at 1.17× the step time
+  (16 steps); ``lean`` 0.90× at 1.34×, and full fine-tuning 0.90× at 1.49×. Both are opt-in.
 * ``--chunked_loss``: the causal-LM loss without its vocabulary-sized temporaries (:mod:`hf_lisa.train.loss`).
 """
 
@@ -55,9 +56,9 @@ def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
         "help": "CPU training with glibc (Linux): what happens to the memory each step frees. 'default' keeps "
         "glibc's behaviour (freed fragments stay resident in the heap); 'trim' returns the heap's free pages to the "
         "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
-        "forms; 'lean' fixes malloc's mmap threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the "
-        "system when freed: a tenth less peak RSS on SmolLM2-135M, at 1.3-1.5x the step time (each large tensor's "
-        "pages are faulted in and zeroed anew). Nothing is changed on GPU or with jemalloc/tcmalloc/mimalloc "
+        "forms (0.9x the peak RSS on SmolLM2-135M, at up to 1.17x the step time); 'lean' fixes malloc's mmap "
+        "threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the system when freed: 0.9x the peak "
+        "RSS at 1.3-1.5x the step time (each large tensor's pages are faulted in and zeroed anew). Nothing is changed on GPU or with jemalloc/tcmalloc/mimalloc "
         "preloaded; 'lean' also leaves MALLOC_* variables as set."})),
             ("chunked_loss", bool, field(default=True, metadata={
                 "help": "Compute a causal LM's loss a few hundred tokens at a time: no log-softmax over the whole "
