@@ -453,6 +453,22 @@ def parse_csv(value: str, allowed: Optional[Sequence] = None, flag: str = "", ca
     return items
 
 
+def _resumed_grid(report: dict, settings: ScalingSettings, shapes: dict, seq_lens: list, methods: list):
+    """The grid a resumed results file reports: its own shapes, row lengths and methods plus this call's (a subset run
+    adds cells, it does not shrink the table). Its cells must have been measured with this call's settings."""
+    stored = {**asdict(ScalingSettings()), "chunked_loss": False, **report.get("settings", {})}  # older files: no key
+    differ = {k: (stored[k], v) for k, v in asdict(settings).items() if stored.get(k) != v}
+    if differ:
+        raise SystemExit("--resume: the results file's cells were measured with other settings, so new cells would "
+                         "not be comparable: " + ", ".join(f"{k}={a!r} there, {b!r} here" for k, (a, b) in
+                                                           differ.items()) + ". Use the same settings or --name.")
+    all_shapes = {**report.get("shapes", {}), **shapes}
+    shapes = {name: all_shapes[name] for name in SHAPES if name in all_shapes}
+    seq_lens = sorted(set(report.get("seq_lens", [])) | set(seq_lens))
+    methods = [m for m in METHODS if m in set(report.get("methods", [])) | set(methods)]
+    return shapes, seq_lens, methods
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
@@ -467,8 +483,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     started = _dt.datetime.now()
     stem, out = ns.name or f"{started:%Y-%m-%d}-scaling", Path(ns.output_dir)
     report: dict = {}
+    run_shapes, run_seq_lens, run_methods = shapes, seq_lens, methods  # the cells this call runs
     if ns.resume and (out / f"{stem}.json").exists():
         report = json.loads((out / f"{stem}.json").read_text())
+        shapes, seq_lens, methods = _resumed_grid(report, settings, shapes, seq_lens, methods)
     t0 = time.perf_counter() - report.get("total_seconds", 0.0)
     report.update({
         "date": report.get("date", started.isoformat(timespec="seconds")),
@@ -486,7 +504,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         write_outputs(rep, out, stem, plot=False)
 
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    run_grid(grid_cells(shapes, seq_lens, methods), settings, policy, report, save, in_process=ns.in_process, log=log)
+    run_grid(grid_cells(run_shapes, run_seq_lens, run_methods), settings, policy, report, save,
+             in_process=ns.in_process, log=log)
     report["total_seconds"] = time.perf_counter() - t0
     paths = write_outputs(report, out, stem)
     print(render_markdown(report))

@@ -182,3 +182,17 @@ def test_gpu_check_grid_dry_run_plans_every_cell(capsys):
     assert all("does not fit" in line for line in lines if "SmolLM2-1.7B" in line and " full " in line)
     assert all("would run" in line for line in lines if "SmolLM2-135M" in line)
     assert gpu_check.main(["--grid", "scaling", "--dry_run", "--grid_shapes", "SmolLM2-7B"]) == 2
+
+
+def test_resuming_a_subset_keeps_the_whole_grid_and_refuses_other_settings():
+    settings = scaling.ScalingSettings()
+    stored = {"shapes": {name: scaling.SHAPES[name] for name in ("SmolLM2-135M", "SmolLM2-360M")},
+              "seq_lens": [128, 512, 2048], "methods": ["full", "lora", "lisa"],
+              "settings": {k: v for k, v in scaling.asdict(settings).items() if k != "chunked_loss"}}
+    with pytest.raises(SystemExit, match=r"chunked_loss=False there, True here"):  # an older file: the full loss
+        scaling._resumed_grid(stored, settings, {"SmolLM2-1.7B": scaling.SHAPES["SmolLM2-1.7B"]}, [512], ["lisa"])
+    same = scaling.ScalingSettings(chunked_loss=False)
+    shapes, seq_lens, methods = scaling._resumed_grid(
+        stored, same, {"SmolLM2-1.7B": scaling.SHAPES["SmolLM2-1.7B"]}, [512], ["lisa"])
+    assert list(shapes) == ["SmolLM2-135M", "SmolLM2-360M", "SmolLM2-1.7B"]
+    assert (seq_lens, methods) == ([128, 512, 2048], ["full", "lora", "lisa"])
