@@ -150,7 +150,7 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
         vocab_bytes.append(batch["input_ids"].numel() * model.config.vocab_size * 4)
         phase[0] = "backward: loss"
         if trim is not None:
-            trim.on_loss(loss)
+            trim.trim_before_backward_of(loss)
         loss.backward()
         del loss
         phase[0] = "clipping (global norm)"

@@ -58,8 +58,8 @@ def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
         "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
         "forms (0.9x the peak RSS on SmolLM2-135M, at up to 1.17x the step time); 'lean' fixes malloc's mmap "
         "threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the system when freed: 0.9x the peak "
-        "RSS at 1.3-1.5x the step time (each large tensor's pages are faulted in and zeroed anew). Nothing is changed on GPU or with jemalloc/tcmalloc/mimalloc "
-        "preloaded; 'lean' also leaves MALLOC_* variables as set."})),
+        "RSS at 1.3-1.5x the step time (each large tensor's pages are faulted in and zeroed anew). Nothing is "
+        "changed on GPU or with jemalloc/tcmalloc/mimalloc preloaded; 'lean' also leaves MALLOC_* variables as set."})),
             ("chunked_loss", bool, field(default=True, metadata={
                 "help": "Compute a causal LM's loss a few hundred tokens at a time: no log-softmax over the whole "
                 "vocabulary is kept for the backward pass, and its gradient is written chunk by chunk, so the logits "
@@ -108,9 +108,10 @@ def _glibc() -> Optional[ctypes.CDLL]:
 class HeapTrim:
     """``--cpu_allocator trim``: glibc's ``malloc_trim(0)`` where a training step's peak forms.
 
-    Two points of each backward pass: its start (a hook on the loss, :meth:`on_loss`: the forward pass's temporaries are
-    freed fragments between the activations by then) and the gradient of the input embeddings' output (a hook that
-    :meth:`attach` places: the blocks' activations are freed, and the embedding's weight-sized gradient is next).
+    Two points of each backward pass: its start (a hook on the loss, :meth:`trim_before_backward_of`: the forward
+    pass's temporaries are freed fragments between the activations by then) and the gradient of the input embeddings'
+    output (a hook that :meth:`attach` places: the blocks' activations are freed, and the embedding's weight-sized
+    gradient is next).
     ``malloc_trim`` returns every free page inside the heap to the system (``madvise``), not only its top. The hooks
     pass gradients through unchanged, and do nothing outside a backward pass. :attr:`calls` counts the trims.
     """
@@ -123,10 +124,10 @@ class HeapTrim:
         self._malloc_trim(0)
         self.calls += 1
 
-    def on_loss(self, loss: torch.Tensor) -> None:
-        """Trim when the backward pass of ``loss`` starts."""
-        if torch.is_grad_enabled() and loss.requires_grad:
-            loss.register_hook(self)
+    def trim_before_backward_of(self, tensor: torch.Tensor) -> None:
+        """Trim when the backward pass reaches ``tensor`` (the loss: when the backward pass starts)."""
+        if torch.is_grad_enabled() and tensor.requires_grad:
+            tensor.register_hook(self)
 
     def attach(self, model: torch.nn.Module):
         """Trim before the backward pass of ``model``'s input embeddings; returns the hook's handle (``None`` when the
@@ -141,7 +142,7 @@ class HeapTrim:
 
     def _on_embeddings_output(self, module, args, output) -> None:
         if isinstance(output, torch.Tensor):
-            self.on_loss(output)
+            self.trim_before_backward_of(output)
 
 
 def heap_trim(policy: str, on_cpu: bool) -> Optional[HeapTrim]:

@@ -157,7 +157,7 @@ class LisaTrainer(Trainer):
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
         if self.heap_trim is not None and model.training:
-            self.heap_trim.on_loss(result[0] if return_outputs else result)
+            self.heap_trim.trim_before_backward_of(result[0] if return_outputs else result)
         return result
 
     def _get_grad_norm(self, model, grad_norm=None):
