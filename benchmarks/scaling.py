@@ -341,7 +341,7 @@ def run_grid(
     after each. ``deadline`` (a ``time.perf_counter()`` value): cells not started by then are recorded as not run."""
     kept = {_key(c): c for c in report.get("cells", []) if c.get("status") in ("ok", "does-not-fit", "timed-out")}
     results = dict(kept)
-    report["cells"] = [results[_key(c)] for c in cells if _key(c) in results]
+    report["cells"] = _in_grid_order(results)
     work_dir = tempfile.mkdtemp(prefix="hf-lisa-scaling-")
 
     def attempt(cell: dict, final: bool) -> bool:
@@ -368,7 +368,7 @@ def run_grid(
             result = {**cell, "status": "skipped" if verdict == "defer" else verdict, "reason": why}
         result = {**{k: v for k, v in result.items() if k != "config"}, "floor": floor}
         results[_key(cell)] = result
-        report["cells"] = [results[_key(c)] for c in cells if _key(c) in results]
+        report["cells"] = _in_grid_order(results)
         save(report)
         log(f"[scaling] {cell_name(cell)}: " + (f"{result['peak_bytes'] / GIB:.2f} GiB peak, "
             f"{result['median_step_seconds']:.2f} s/step" if result["status"] == "ok" else result["reason"])
@@ -399,6 +399,14 @@ def _release_memory() -> None:
 
 def _key(cell: dict) -> tuple:
     return cell["shape"], cell["seq_len"], cell["method"]
+
+
+def _in_grid_order(results: dict) -> list[dict]:
+    """Every cell of ``results`` (a resumed file's cells as well as this call's), by shape, row length and method."""
+    shapes = [s for s in SHAPES if any(k[0] == s for k in results)]
+    shapes += list(dict.fromkeys(k[0] for k in results if k[0] not in SHAPES))
+    methods = list(METHODS) + [m for m in dict.fromkeys(k[2] for k in results) if m not in METHODS]
+    return [results[k] for k in sorted(results, key=lambda k: (shapes.index(k[0]), k[1], methods.index(k[2])))]
 
 
 def cell_name(cell: dict) -> str:
@@ -491,6 +499,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     report.update({
         "date": report.get("date", started.isoformat(timespec="seconds")),
         "command": "python benchmarks/scaling.py " + " ".join(argv),
+        "commands": report.get("commands", [report["command"]] if "command" in report else [])
+        + ["python benchmarks/scaling.py " + " ".join(argv)],
         "settings": asdict(settings), "policy": {k: v for k, v in asdict(policy).items() if k != "available"},
         "shapes": shapes, "seq_lens": seq_lens, "methods": methods,
         "machine": {"cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -130,7 +130,8 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Scaling: full fine-tuning, LoRA and LISA over model shape and row length",
         "",
-        f"{report.get('date', '')}, `{report.get('command', '')}`; "
+        f"{report.get('date', '')}, "
+        + " then ".join(f"`{c}`" for c in report.get("commands") or [report.get("command", "")]) + "; "
         + (f"GPU {machine['gpu']} ({machine.get('gpu_memory_limit_gib', 0):.0f} GiB usable)" if machine.get("gpu")
            else f"{machine.get('cpu_cores', '?')} CPU cores, {machine.get('memory_gib', '?')} GiB")
         + f"; device {s.get('device', '?')} ({device}), {precision}; runtime {report.get('total_seconds', 0) / 60:.1f}"

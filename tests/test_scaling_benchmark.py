@@ -196,3 +196,17 @@ def test_resuming_a_subset_keeps_the_whole_grid_and_refuses_other_settings():
         stored, same, {"SmolLM2-1.7B": scaling.SHAPES["SmolLM2-1.7B"]}, [512], ["lisa"])
     assert list(shapes) == ["SmolLM2-135M", "SmolLM2-360M", "SmolLM2-1.7B"]
     assert (seq_lens, methods) == ([128, 512, 2048], ["full", "lora", "lisa"])
+
+
+def test_a_resumed_subset_run_keeps_the_files_other_cells_in_grid_order(tmp_path):
+    """``run_grid`` on a subset of a resumed file's grid adds its cells; it does not drop the file's others."""
+    settings = scaling.ScalingSettings(steps=2)
+    policy = scaling.MemoryPolicy(fit_limit_gib=0.0)  # every floor refuses: nothing is built
+    everything = scaling.grid_cells({"a": TINY, "b": TINY_WIDE}, [8, 16], ["lora", "lisa"])
+    report = _grid(tmp_path, [c for c in everything if c["seq_len"] == 8], settings, policy, in_process=True)
+    assert len(report["cells"]) == 4
+    scaling.run_grid([c for c in everything if c["shape"] == "a" and c["seq_len"] == 16], settings, policy, report,
+                     lambda rep: None, in_process=True, log=lambda message: None)
+    assert [scaling._key(c) for c in report["cells"]] == [
+        ("a", 8, "lora"), ("a", 8, "lisa"), ("a", 16, "lora"), ("a", 16, "lisa"), ("b", 8, "lora"), ("b", 8, "lisa")]
+    assert all(c["status"] == "does-not-fit" for c in report["cells"])
