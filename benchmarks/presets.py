@@ -27,8 +27,6 @@ class MethodSpec:
         lisa_overrides: extra ``LisaArguments`` fields (besides γ, K, r and alpha, which come from the preset).
         model_overrides: extra ``ModelArguments`` fields, e.g. ``{"load_in_4bit": True}`` for a quantized base.
         training_overrides: ``TrainingArguments`` fields that differ from the preset's, e.g. ``{"optim": ...}``.
-        bnb_8bit_embeddings: with a bitsandbytes 8-bit optimizer, keep the embedding's state in 8 bits too
-            (transformers' Trainer keeps ``nn.Embedding`` weights, and so a tied E/H, at 32 bits).
         naive: add ``benchmarks.naive_lisa.NaiveLisaCallback`` (requires_grad toggling only).
         description: one line for the table.
     """
@@ -39,7 +37,6 @@ class MethodSpec:
     lisa_overrides: dict = field(default_factory=dict)
     model_overrides: dict = field(default_factory=dict)
     training_overrides: dict = field(default_factory=dict)
-    bnb_8bit_embeddings: bool = False
     naive: bool = False
     description: str = ""
 
@@ -80,7 +77,15 @@ METHODS: dict[str, MethodSpec] = {
         ),
         MethodSpec(
             "lisa-adamw8bit-eh", "lisa", "full-parameter", training_overrides={"optim": "adamw_bnb_8bit"},
-            bnb_8bit_embeddings=True, description="lisa with bitsandbytes 8-bit AdamW, the E/H state in 8 bits too",
+            lisa_overrides={"optim_8bit_embeddings": True},
+            description="lisa with bitsandbytes 8-bit AdamW, the E/H state in 8 bits too (--optim_8bit_embeddings)",
+        ),
+        MethodSpec(
+            "lisa-fused-8bit", "lisa", "full-parameter",
+            lisa_overrides={"optim_step_in_backward": True, "optim_8bit_embeddings": True},
+            training_overrides={"optim": "adamw_bnb_8bit", "max_grad_norm": 0.0},
+            description="lisa-fused with 8-bit AdamW, E/H state included (--optim adamw_bnb_8bit "
+            "--optim_8bit_embeddings --optim_step_in_backward; no clipping)",
         ),
     )
 }

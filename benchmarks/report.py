@@ -367,7 +367,8 @@ def findings(report: dict) -> list[str]:
                      "block has been sampled")
         out.append(line + ".")
     for name, ref_name in (("lisa", "lora"), ("lisa", "full"), ("lisa-adapter", "lora"), ("lisa-fused", "lora"),
-                           ("lisa-fused", "lisa"), ("lisa-adamw8bit", "lisa"), ("lisa-adamw8bit-eh", "lisa")):
+                           ("lisa-fused", "lisa"), ("lisa-adamw8bit", "lisa"), ("lisa-adamw8bit-eh", "lisa"),
+                           ("lisa-fused-8bit", "lora"), ("lisa-fused-8bit", "lisa")):
         a, b = ok.get(name), ok.get(ref_name)
         if not a or not b:
             continue

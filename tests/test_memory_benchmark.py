@@ -33,7 +33,7 @@ def adamw8bit(numels, fp32=()):
 def test_memory_variants_of_lisa(tmp_path):
     methods = ["lisa", "lisa-fused"]
     if _has_bitsandbytes():  # the 8-bit variants need the optional bitsandbytes
-        methods += ["lisa-adamw8bit", "lisa-adamw8bit-eh"]
+        methods += ["lisa-adamw8bit", "lisa-adamw8bit-eh", "lisa-fused-8bit"]
     model_dir = build_tiny_lm_dir(tmp_path / "model", num_layers=LAYERS, hidden=HIDDEN)
     data = write_jsonl(tmp_path / "data.jsonl", copy_task_rows(60))
     report = compare.main([
@@ -55,6 +55,10 @@ def test_memory_variants_of_lisa(tmp_path):
         assert states["lisa-adamw8bit"] == adamw8bit(OUTSIDE, fp32={0}) + GAMMA * adamw8bit(BLOCK)
         assert states["lisa-adamw8bit-eh"] == adamw8bit(OUTSIDE) + GAMMA * adamw8bit(BLOCK)
         assert states["lisa-adamw8bit-eh"] < states["lisa-adamw8bit"] < states["lisa"]
+        # the same 8-bit state stepped in the backward pass (the update bit for bit bitsandbytes')
+        assert states["lisa-fused-8bit"] == states["lisa-adamw8bit-eh"]
+        assert results["lisa-fused-8bit"]["optimizer"] == {"optim": "adamw_bnb_8bit", "max_grad_norm": 0.0,
+                                                           "step_in_backward": True}
         markdown = Path(report["paths"]["markdown"]).read_text()
         assert "bitsandbytes 8-bit AdamW, E/H state at 32 bits" in markdown
         assert "`lisa-adamw8bit` optim=adamw_bnb_8bit" in markdown

@@ -62,6 +62,7 @@ NON_DEFAULT: dict[str, list[str]] = {
     "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
     "cpu_allocator": ["lean"],
     "chunked_loss": ["false"],
+    "optim_8bit_embeddings": ["true", "--optim", "adamw_bnb_8bit"],  # with the 8-bit optimizer it needs
 }
 OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
 

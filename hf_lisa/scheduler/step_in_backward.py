@@ -49,7 +49,7 @@ import torch
 from torch.optim.adamw import adamw as _adamw_functional
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["AdamWInBackward", "steps_in_backward"]
+__all__ = ["AdamWInBackward", "StepsInBackward", "steps_in_backward"]
 
 
 def _run_hook(optimizer_ref: "weakref.ref[AdamWInBackward]", p: torch.Tensor) -> None:
@@ -63,37 +63,27 @@ def _scalar_dtype(fused: bool) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 and not fused else torch.float32
 
 
-class AdamWInBackward(torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose update of each parameter runs in the backward pass, as soon as that parameter's
-    gradient is accumulated; the gradient is then set to ``None``.
-
-    Takes ``torch.optim.AdamW``'s arguments. Hooks are registered on the parameters that require a gradient when the
-    optimizer is built (the Trainer builds it before LISA freezes anything); a parameter frozen later simply gets no
-    gradient, so its hook does not fire. :meth:`step` applies any gradient that did not pass a hook (a gradient set by
-    hand, a parameter that became trainable after construction, which it then hooks for the next steps), so nothing
-    is ever left unapplied.
-
-    While :attr:`armed` is ``False`` the hooks do nothing and the optimizer is plain AdamW: gradients accumulate and
-    :meth:`step` applies them. ``LisaTrainer`` arms it for ``train()`` only, so a backward pass outside training
-    (a probe, user code) never moves the weights.
-
-    Raises:
-        RuntimeError: when a parameter's gradient arrives twice between two :meth:`step` calls (gradient
-            accumulation, or a weight shared across reentrant activation-checkpointing segments): stepping on a part
-            of the gradient would be silently wrong.
+class StepsInBackward:
+    """What every optimizer that steps in the backward pass shares: one post-accumulate-grad hook per trainable
+    parameter, armed or not, each gradient applied once per step and then freed, and the global gradient norm measured
+    on the way. A subclass mixes this into a ``torch.optim.Optimizer`` and gives ``_update(group, params)``, the
+    optimizer's own update of ``params`` (all in ``group``, each with ``.grad`` set), which sets their ``.grad`` to
+    ``None``. Call :meth:`_start_in_backward` at the end of ``__init__``.
     """
 
-    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
-        super().__init__(params, *args, **kwargs)
-        if self.defaults.get("differentiable"):
-            raise ValueError("AdamWInBackward(differentiable=True) is not supported: the update runs inside backward.")
+    _handles: dict
+
+    def _start_in_backward(self) -> None:
         self.armed = True
-        self._handles: dict[int, RemovableHandle] = {}
+        self._handles = {}
         self._group_of: Optional[dict[int, dict]] = None  # parameter -> its group, rebuilt once per step
         self._stepped: set[int] = set()  # parameters updated since the last step()
         self._grad_sq: list[torch.Tensor] = []  # squared norms of the gradients applied since the last step()
         self._update_pre_hooks: dict[int, Callable[[torch.Tensor], None]] = collections.OrderedDict()
         self._register_hooks()
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
 
     # -- hooks ---------------------------------------------------------------------------------------------------------
     def _register_hooks(self) -> None:
@@ -112,7 +102,7 @@ class AdamWInBackward(torch.optim.AdamW):
             self._register_hooks()
 
     def remove_hooks(self) -> None:
-        """Detach the optimizer from the parameters for good (it then behaves as plain AdamW)."""
+        """Detach the optimizer from the parameters for good (it then behaves as its plain base optimizer)."""
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
@@ -130,57 +120,28 @@ class AdamWInBackward(torch.optim.AdamW):
             return
         if id(p) in self._stepped:
             raise RuntimeError(
-                "AdamWInBackward: a parameter's gradient arrived twice before optimizer.step() (gradient "
+                f"{type(self).__name__}: a parameter's gradient arrived twice before optimizer.step() (gradient "
                 "accumulation, or a weight used in two reentrant activation-checkpointing segments). The step in "
                 "backward applies each gradient as it arrives, so this would update on partial gradients. Use "
-                "gradient_accumulation_steps=1 and non-reentrant checkpointing, or a plain AdamW."
+                "gradient_accumulation_steps=1 and non-reentrant checkpointing, or the plain optimizer."
             )
         if self._group_of is None:  # groups may have been edited since the last step (a parameter moved)
             self._group_of = {id(q): group for group in self.param_groups for q in group["params"]}
         self._stepped.add(id(p))
         self._update(self._group_of[id(p)], [p])
 
-    # -- the update: AdamW's, for the given parameters of one group ----------------------------------------------------
-    @torch.no_grad()
-    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
-        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
-        fused = bool(group.get("fused"))
-        for p in params:
-            grad = p.grad
-            if grad.is_sparse:
-                raise RuntimeError("AdamWInBackward does not support sparse gradients.")
-            self._grad_sq.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
-            for hook in self._update_pre_hooks.values():
-                hook(p)
-            state = self.state[p]
-            if not state:  # AdamW's lazy initialisation, the same tensors and dtypes
-                on_device = group.get("capturable") or fused
-                state["step"] = torch.zeros((), dtype=_scalar_dtype(fused), device=p.device if on_device else "cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            grads.append(grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            if group["amsgrad"]:
-                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        _adamw_functional(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            foreach=group.get("foreach"), capturable=group.get("capturable", False), differentiable=False,
-            fused=group.get("fused"), has_complex=any(torch.is_complex(p) for p in params), amsgrad=group["amsgrad"],
-            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-            maximize=group.get("maximize", False),
-        )
-        for p in params:
-            p.grad = None
+    def _before_update(self, p: torch.Tensor) -> None:
+        """Record ``p``'s gradient norm and run the update pre-hooks (each ``_update`` calls this per parameter)."""
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients.")
+        self._grad_sq.append(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square())
+        for hook in self._update_pre_hooks.values():
+            hook(p)
 
     # -- the Trainer's calls -------------------------------------------------------------------------------------------
     def grad_norm(self) -> float:
         """The global L2 norm of the gradients applied since the last :meth:`step` (by the hooks) plus those still
-        waiting in ``.grad``: what ``clip_grad_norm_`` would have measured before a plain AdamW step."""
+        waiting in ``.grad``: what ``clip_grad_norm_`` would have measured before a plain optimizer step."""
         squares = list(self._grad_sq)
         for group in self.param_groups:
             squares += [torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
@@ -209,11 +170,73 @@ class AdamWInBackward(torch.optim.AdamW):
         self._group_of = None
 
 
-def steps_in_backward(optimizer: Any) -> Optional[AdamWInBackward]:
-    """The :class:`AdamWInBackward` behind ``optimizer`` (through accelerate's wrapper), or ``None``."""
+class AdamWInBackward(StepsInBackward, torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose update of each parameter runs in the backward pass, as soon as that parameter's
+    gradient is accumulated; the gradient is then set to ``None``.
+
+    Takes ``torch.optim.AdamW``'s arguments. Hooks are registered on the parameters that require a gradient when the
+    optimizer is built (the Trainer builds it before LISA freezes anything); a parameter frozen later simply gets no
+    gradient, so its hook does not fire. :meth:`step` applies any gradient that did not pass a hook (a gradient set by
+    hand, a parameter that became trainable after construction, which it then hooks for the next steps), so nothing
+    is ever left unapplied.
+
+    While :attr:`armed` is ``False`` the hooks do nothing and the optimizer is plain AdamW: gradients accumulate and
+    :meth:`step` applies them. ``LisaTrainer`` arms it for ``train()`` only, so a backward pass outside training
+    (a probe, user code) never moves the weights.
+
+    Raises:
+        RuntimeError: when a parameter's gradient arrives twice between two :meth:`step` calls (gradient
+            accumulation, or a weight shared across reentrant activation-checkpointing segments): stepping on a part
+            of the gradient would be silently wrong.
+    """
+
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        if self.defaults.get("differentiable"):
+            raise ValueError("AdamWInBackward(differentiable=True) is not supported: the update runs inside backward.")
+        self._start_in_backward()
+
+    # -- the update: AdamW's, for the given parameters of one group ----------------------------------------------------
+    @torch.no_grad()
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], []
+        fused = bool(group.get("fused"))
+        for p in params:
+            self._before_update(p)
+            grad = p.grad
+            state = self.state[p]
+            if not state:  # AdamW's lazy initialisation, the same tensors and dtypes
+                on_device = group.get("capturable") or fused
+                state["step"] = torch.zeros((), dtype=_scalar_dtype(fused), device=p.device if on_device else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grads.append(grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _adamw_functional(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+            foreach=group.get("foreach"), capturable=group.get("capturable", False), differentiable=False,
+            fused=group.get("fused"), has_complex=any(torch.is_complex(p) for p in params), amsgrad=group["amsgrad"],
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group.get("maximize", False),
+        )
+        for p in params:
+            p.grad = None
+
+
+def steps_in_backward(optimizer: Any) -> Optional[StepsInBackward]:
+    """The optimizer that steps in backward (:class:`AdamWInBackward`, or
+    :class:`~hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`) behind ``optimizer`` (through
+    accelerate's wrapper), or ``None``."""
     from .optim_state import unwrap_optimizer
 
     if optimizer is None:
         return None
     inner = unwrap_optimizer(optimizer)
-    return inner if isinstance(inner, AdamWInBackward) else None
+    return inner if isinstance(inner, StepsInBackward) else None

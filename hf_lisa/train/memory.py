@@ -1,10 +1,16 @@
-"""The memory options of a training job: ``--optim_step_in_backward``, ``--cpu_allocator`` and ``--chunked_loss``.
+"""The memory options of a training job: ``--optim_step_in_backward``, ``--optim_8bit_embeddings``, ``--cpu_allocator``
+and ``--chunked_loss``.
 
 * ``--optim_step_in_backward``: AdamW stepped inside the backward pass, one parameter at a time, its gradient freed at
   once ([`hf_lisa.scheduler.step_in_backward.AdamWInBackward`]: plain AdamW's groups, state and update, so the LR
   schedule, LISA's state dropping, layer-wise LR decay and checkpoints work as with ``--optim adamw_torch``, and a run
   follows the plain one step for step). What it gives up is everything that needs all gradients before the update:
-  see :func:`check_step_in_backward`.
+  see :func:`check_step_in_backward`. With ``--optim adamw_bnb_8bit`` the optimizer is bitsandbytes' 8-bit AdamW
+  stepped the same way ([`hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`]).
+* bitsandbytes' 8-bit AdamW (``--optim adamw_bnb_8bit``), with or without the step in backward, is
+  [`hf_lisa.scheduler.step_in_backward_8bit.SlicedAdamW8bit`]: its CPU update a slice at a time, bit for bit the
+  same, without five fp32 copies of the parameter beside it. ``--optim_8bit_embeddings`` keeps the embedding's state
+  (a tied E/H) in 8 bits too, where transformers keeps it in 32 (:func:`configure_embedding_state`).
 * ``--cpu_allocator``: on CPU, the C allocator decides how much freed memory the process keeps. glibc's ``malloc``
   raises its mmap threshold each time it frees a large block (up to 32 MiB), so after the first step every activation
   and gradient is carved from the heap, whose freed fragments stay resident: on SmolLM2-135M, full-parameter LISA
@@ -37,7 +43,7 @@ from ..scheduler.step_in_backward import AdamWInBackward
 #: the methods that use the option (full-parameter updates, where gradients are the size of the weights that train)
 STEP_IN_BACKWARD_METHODS = ("lisa", "full")
 #: ``--optim`` values whose update the step in backward reproduces
-STEP_IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+STEP_IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit")
 OPTION = "optim_step_in_backward"
 #: ``--cpu_allocator`` values
 CPU_ALLOCATORS = ("default", "trim", "lean")
@@ -52,7 +58,12 @@ logger = logging.getLogger("hf_lisa.train")
 
 def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """``(name, type, field)`` of the memory options, for ``dataclasses.make_dataclass`` (``LisaArguments``)."""
-    return [step_in_backward_field(), ("cpu_allocator", str, field(default="default", metadata={
+    return [step_in_backward_field(), ("optim_8bit_embeddings", bool, field(default=False, metadata={
+        "help": "With a bitsandbytes 8-bit --optim (e.g. adamw_bnb_8bit): keep the AdamW state of the embedding (and "
+        "so of a tied LM head) in 8 bits too. transformers' Trainer keeps nn.Embedding weights in 32-bit state for "
+        "stability; for full-parameter LISA the tied embedding/head is most of what trains, so its state is most of "
+        "the optimizer's memory (SmolLM2-135M: 216 of 270 MiB at 32 bits)."})),
+        ("cpu_allocator", str, field(default="default", metadata={
         "help": "CPU training with glibc (Linux): what happens to the memory each step frees. 'default' keeps "
         "glibc's behaviour (freed fragments stay resident in the heap); 'trim' returns the heap's free pages to the "
         "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
@@ -74,7 +85,7 @@ def step_in_backward_field() -> tuple[str, Any, dataclasses.Field]:
         "help": "Update each parameter with AdamW as soon as its gradient is complete in the backward pass, and free "
         "that gradient at once (PyTorch's 'optimizer step in backward'): the trainable set's gradients never all "
         "live at once, and the step's temporaries are one parameter's. The same updates as --optim adamw_torch / "
-        "adamw_torch_fused without it. Needs "
+        "adamw_torch_fused / adamw_bnb_8bit without it (the 8-bit one a slice at a time on CPU). Needs "
         "--max_grad_norm 0 (no global-norm clipping), gradient_accumulation_steps 1, one process, AdamW, no fp16; "
         "not with --lisa_sampling importance."}))
 
@@ -89,7 +100,19 @@ def check_memory_options(lisa_args, training_args) -> None:
     allocator = getattr(lisa_args, "cpu_allocator", "default")
     if allocator not in CPU_ALLOCATORS:
         raise UsageError(f"--cpu_allocator={allocator!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
+    optim = _optim_name(training_args)
+    if getattr(lisa_args, "optim_8bit_embeddings", False) and not _is_bnb_8bit(optim):
+        raise UsageError(
+            f"--optim_8bit_embeddings=True keeps the embedding's optimizer state in 8 bits, so it needs a bitsandbytes "
+            f"8-bit optimizer; --optim={optim!r} is not one. Allowed with it: --optim adamw_bnb_8bit (or another "
+            "bitsandbytes '..._8bit' optimizer)."
+        )
     check_step_in_backward(lisa_args, training_args)
+
+
+def _is_bnb_8bit(optim: str) -> bool:
+    """Whether ``--optim`` builds a bitsandbytes optimizer with 8-bit state (transformers' own test)."""
+    return "8bit" in optim and "torchao" not in optim
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -216,7 +239,8 @@ def check_step_in_backward(lisa_args, training_args) -> None:
     optim = _optim_name(training_args)
     if optim not in STEP_IN_BACKWARD_OPTIMS:
         raise UsageError(
-            f"{flag} reproduces AdamW's update, so --optim={optim!r} cannot be used with it; allowed: "
+            f"{flag} reproduces AdamW's update (torch's or bitsandbytes' 8-bit), so --optim={optim!r} cannot be used "
+            "with it; allowed: "
             f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
         )
     distributed = [name for name, on in (("--deepspeed", training_args.deepspeed), ("--fsdp", training_args.fsdp))
@@ -236,13 +260,17 @@ def check_step_in_backward(lisa_args, training_args) -> None:
 
 
 def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None) -> tuple[type, dict]:
-    """``(AdamWInBackward, kwargs)`` for ``trainer``'s arguments: the class and keyword arguments
-    ``Trainer.create_optimizer`` would use for ``--optim adamw_torch[_fused]``, with the class replaced.
+    """``(class, kwargs)`` for ``trainer``'s arguments: the keyword arguments ``Trainer.create_optimizer`` would use
+    for ``--optim adamw_torch[_fused]`` or ``adamw_bnb_8bit``, with the class replaced by
+    :class:`~hf_lisa.scheduler.step_in_backward.AdamWInBackward` or
+    :class:`~hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`.
 
     Raises:
         ValueError: the Trainer was given another optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs=``), its
-            ``--optim`` is not AdamW, or it runs on more than one process, DeepSpeed or FSDP.
+            ``--optim`` is not one of those, or it runs on more than one process, DeepSpeed or FSDP.
     """
+    from ..scheduler.step_in_backward import StepsInBackward
+
     args = trainer.args
     if trainer.accelerator.num_processes > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         raise ValueError(
@@ -250,7 +278,7 @@ def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None)
             "pass); this Trainer is distributed. Drop the option for distributed training."
         )
     given = trainer.optimizer_cls_and_kwargs
-    if given is not None and not (isinstance(given[0], type) and issubclass(given[0], AdamWInBackward)):
+    if given is not None and not (isinstance(given[0], type) and issubclass(given[0], StepsInBackward)):
         raise ValueError(
             f"{OPTION}=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
             f"optimizer_cls_and_kwargs with {getattr(given[0], '__name__', given[0])!r}; pass one or the other."
@@ -258,10 +286,60 @@ def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None)
     if given is not None:
         return given
     optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
-    if optimizer_cls is not torch.optim.AdamW:
-        raise ValueError(
-            f"{OPTION}=True reproduces AdamW's update, so optim={_optim_name(args)!r} (which builds "
-            f"{getattr(optimizer_cls, '__name__', optimizer_cls)}) cannot be used with it; allowed: "
-            f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
-        )
-    return AdamWInBackward, dict(kwargs)
+    if optimizer_cls is torch.optim.AdamW:
+        return AdamWInBackward, dict(kwargs)
+    if _is_bnb_adamw_8bit(optimizer_cls, kwargs):
+        from ..scheduler.step_in_backward_8bit import AdamW8bitInBackward
+
+        return AdamW8bitInBackward, dict(kwargs)
+    raise ValueError(
+        f"{OPTION}=True reproduces AdamW's update, so optim={_optim_name(args)!r} (which builds "
+        f"{getattr(optimizer_cls, '__name__', optimizer_cls)}) cannot be used with it; allowed: "
+        f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
+    )
+
+
+def _is_bnb_adamw_8bit(optimizer_cls: Any, kwargs: dict) -> bool:
+    """Whether the Trainer's choice is bitsandbytes' (non-paged) AdamW with 8-bit state."""
+    module = getattr(optimizer_cls, "__module__", "") or ""
+    return (module.startswith("bitsandbytes") and getattr(optimizer_cls, "__name__", "") == "AdamW"
+            and kwargs.get("optim_bits") == 8 and not kwargs.get("is_paged"))
+
+
+def sliced_8bit_optimizer(trainer, model: Optional[torch.nn.Module] = None) -> Optional[tuple[type, dict]]:
+    """``(SlicedAdamW8bit, kwargs)`` where the Trainer would build bitsandbytes' 8-bit AdamW (bit for bit the same
+    update, without whole-parameter fp32 temporaries on CPU: :mod:`hf_lisa.scheduler.step_in_backward_8bit`);
+    ``None`` otherwise, or when the Trainer was given its optimizer."""
+    if trainer.optimizer_cls_and_kwargs is not None or trainer.is_deepspeed_enabled:
+        return None
+    optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+    if not _is_bnb_adamw_8bit(optimizer_cls, kwargs):
+        return None
+    from ..scheduler.step_in_backward_8bit import SlicedAdamW8bit
+
+    return SlicedAdamW8bit, dict(kwargs)
+
+
+def configure_embedding_state(optimizer, model: torch.nn.Module, eight_bit: bool) -> Optional[str]:
+    """For a bitsandbytes 8-bit ``optimizer``: the embeddings' state in 32 bits, as transformers' Trainer registers
+    for the bitsandbytes classes it builds (our subclasses live outside its check), or in 8 bits with
+    ``eight_bit``. Returns what was registered (for the log), ``None`` for other optimizers.
+
+    Raises:
+        ValueError: ``eight_bit`` with an optimizer whose state is not 8-bit.
+    """
+    from ..scheduler.optim_state import unwrap_optimizer
+
+    inner = unwrap_optimizer(optimizer)
+    is_8bit = (type(inner).__module__.startswith(("bitsandbytes", "hf_lisa.scheduler.step_in_backward_8bit"))
+               and getattr(getattr(inner, "args", None), "optim_bits", None) == 8)
+    if not is_8bit:
+        if eight_bit:
+            raise ValueError(f"optim_8bit_embeddings=True needs a bitsandbytes 8-bit optimizer; this Trainer's is "
+                             f"{type(inner).__name__}. Use optim='adamw_bnb_8bit' or drop the option.")
+        return None
+    from ..scheduler.step_in_backward_8bit import set_embedding_state_bits
+
+    bits = 8 if eight_bit else 32
+    count = set_embedding_state_bits(model, bits)
+    return f"bitsandbytes: the optimizer state of {count} embedding weight(s) is kept in {bits} bits"

@@ -102,6 +102,7 @@ OPTION_METHODS: dict[str, tuple[str, ...]] = {
     # AdamW stepped in the backward pass: the full-parameter methods (hf_lisa.train.memory)
     "optim_step_in_backward": STEP_IN_BACKWARD_METHODS,
     "cpu_allocator": METHODS,
+    "optim_8bit_embeddings": METHODS,
     "chunked_loss": METHODS,
 }
 

@@ -167,6 +167,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         optim_step_in_backward=lisa_args.optim_step_in_backward,
         chunked_loss=lisa_args.chunked_loss,
         cpu_allocator=lisa_args.cpu_allocator,
+        optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
     )
     monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
     _pin_tensorboard_logging_dir(trainer)

@@ -16,7 +16,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 from ..scheduler.step_in_backward import steps_in_backward
 from ..trainer_callbacks.state import ScheduleCheckpoint
 from .loss import install_chunked_loss
-from .memory import apply_cpu_allocator, heap_trim, step_in_backward_optimizer
+from .memory import (
+    apply_cpu_allocator,
+    configure_embedding_state,
+    heap_trim,
+    sliced_8bit_optimizer,
+    step_in_backward_optimizer,
+)
 from .output_dir import STAGING_PREFIX, fsync_tree
 
 logger = logging.getLogger("hf_lisa.train")
@@ -99,13 +105,15 @@ class LisaTrainer(Trainer):
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
         layers_attribute: dotted path of the block list, when auto-detection cannot find it.
         optim_step_in_backward: step AdamW in the backward pass (one process, no gradient accumulation or clipping).
+        optim_8bit_embeddings: with a bitsandbytes 8-bit ``optim``, keep the embeddings' state in 8 bits too (the
+            Trainer keeps it in 32).
         chunked_loss: compute the causal-LM loss chunk by chunk (the model's ``loss_function`` is replaced).
         cpu_allocator: ``"default"``, ``"trim"`` or ``"lean"``; only on CPU with glibc.
     """
 
     def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None,
                  optim_step_in_backward: bool = False, chunked_loss: bool = True, cpu_allocator: str = "default",
-                 **kwargs):
+                 optim_8bit_embeddings: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunked_loss = chunked_loss and install_chunked_loss(self.model)
         on_cpu = self.args.device.type == "cpu"
@@ -118,6 +126,7 @@ class LisaTrainer(Trainer):
         self.layerwise_lr_decay = layerwise_lr_decay
         self.layers_attribute = layers_attribute
         self.optim_step_in_backward = optim_step_in_backward
+        self.optim_8bit_embeddings = optim_8bit_embeddings
         if optim_step_in_backward and self.optimizer is not None and steps_in_backward(self.optimizer) is None:
             raise ValueError(
                 "optim_step_in_backward=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
@@ -128,8 +137,20 @@ class LisaTrainer(Trainer):
         self.add_callback(self._whole_run_loss)
 
     def create_optimizer(self, model=None):
-        if self.optim_step_in_backward and self.optimizer is None:  # the Trainer's AdamW, stepping in backward
-            self.optimizer_cls_and_kwargs = step_in_backward_optimizer(self, self.model if model is None else model)
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            if self.optim_step_in_backward:  # the Trainer's AdamW (torch's or 8-bit), stepping in backward
+                self.optimizer_cls_and_kwargs = step_in_backward_optimizer(self, opt_model)
+            else:  # bitsandbytes' 8-bit AdamW, its CPU update a slice at a time (bit for bit the same)
+                self.optimizer_cls_and_kwargs = sliced_8bit_optimizer(self, opt_model) or self.optimizer_cls_and_kwargs
+            optimizer = self._create_optimizer(model)
+            configured = configure_embedding_state(optimizer, opt_model, self.optim_8bit_embeddings)
+            if configured:
+                logger.info(configured)
+            return optimizer
+        return self._create_optimizer(model)
+
+    def _create_optimizer(self, model=None):
         if self.layerwise_lr_decay >= 1.0 or self.optimizer is not None:
             return super().create_optimizer(model)
         from ..scheduler.param_groups import layerwise_lr_decay_param_groups
@@ -144,7 +165,7 @@ class LisaTrainer(Trainer):
             - set(self.get_decay_parameter_names(opt_model)),
             layers_attribute=self.layers_attribute,
         )
-        if self.optim_step_in_backward:
+        if self.optimizer_cls_and_kwargs is not None:  # the step in backward's, the sliced 8-bit AdamW, or given
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
         else:
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
