@@ -4,6 +4,8 @@ for embeddings kept unless ``--optim_8bit_embeddings``, and the option refused w
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -63,16 +65,17 @@ def test_bit_for_bit_bitsandbytes_8bit_adamw(optimizer_cls):
     assert not torch.equal(moved.embed.weight, model.embed.weight)
 
 
-def _train(tiny_llama, token_dataset, training_args, fused, eight_bit_embeddings=False, steps=4):
-    model = tiny_llama(seed=0, tie=True, vocab=VOCAB)
+def _train(tiny_llama, token_dataset, training_args, fused, eight_bit_embeddings=False, steps=4, model=None,
+           resume=None, **extra):
+    model = tiny_llama(seed=0, tie=True, vocab=VOCAB) if model is None else model
     args = training_args(max_steps=steps, max_grad_norm=0.0, weight_decay=0.1, optim="adamw_bnb_8bit",
-                         learning_rate=1e-2)
+                         learning_rate=1e-2, **extra)
     trainer = LisaTrainer(
         model=model, args=args, train_dataset=token_dataset(vocab=VOCAB),
         callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=3)],
         optim_step_in_backward=fused, optim_8bit_embeddings=eight_bit_embeddings,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer, model
 
 
@@ -90,6 +93,22 @@ def test_lisa_trainer_steps_8bit_adamw_in_backward_as_without(tiny_llama, token_
     for trainer, model in ((plain, plain_model), (fused, fused_model)):
         state = trainer.optimizer.optimizer.state[model.get_input_embeddings().weight]
         assert state["state1"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("resume_fused", [True, False], ids=["resume-in-backward", "resume-after-backward"])
+def test_a_checkpoint_of_the_8bit_step_in_backward_resumes_like_the_uninterrupted_run(
+        tiny_llama, token_dataset, training_args, resume_fused):
+    """``checkpoint-1`` (mid LISA interval) holds bitsandbytes' own 8-bit state, E/H included: resuming with either
+    form follows the uninterrupted run exactly."""
+    _, uninterrupted = _train(tiny_llama, token_dataset, training_args, fused=True, eight_bit_embeddings=True,
+                              save_strategy="steps", save_steps=1)
+    checkpoint = os.path.join(training_args().output_dir, "checkpoint-1")
+    resumed = tiny_llama(seed=1, tie=True, vocab=VOCAB)  # different init: everything comes from the checkpoint
+    trainer, _ = _train(tiny_llama, token_dataset, training_args, fused=resume_fused, eight_bit_embeddings=True,
+                        model=resumed, resume=checkpoint, save_strategy="steps", save_steps=1)
+    assert trainer.optimizer.optimizer.state[resumed.get_input_embeddings().weight]["state1"].dtype == torch.uint8
+    for (name, a), (_, b) in zip(uninterrupted.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_optim_8bit_embeddings_keeps_the_tied_embedding_state_in_8_bits(tiny_llama, token_dataset, training_args):
