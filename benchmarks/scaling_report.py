@@ -41,6 +41,21 @@ def ratio(report: dict, shape: str, seq_len: int, num: str, den: str, quantity: 
     return a[quantity] / b[quantity]
 
 
+def peak_ratio_bound(report: dict, shape: str, seq_len: int, num: str, den: str) -> Optional[tuple[str, float]]:
+    """Where one side of a peak-memory ratio stopped before finishing (aborted or timed out) after the other ran:
+    its peak is at least what it reached, so the ratio is bounded. ``("<", r)`` or ``(">", r)``, else ``None``."""
+    cells = _index(report)
+    a, b = cells.get((shape, seq_len, num)), cells.get((shape, seq_len, den))
+    stopped = ("aborted", "timed-out")
+    if not a or not b:
+        return None
+    if a.get("status") == "ok" and b.get("status") in stopped and b.get("peak_bytes_seen"):
+        return "<", a["peak_bytes"] / b["peak_bytes_seen"]
+    if b.get("status") == "ok" and a.get("status") in stopped and a.get("peak_bytes_seen"):
+        return ">", a["peak_bytes_seen"] / b["peak_bytes"]
+    return None
+
+
 def floor_ratio(report: dict, shape: str, seq_len: int, num: str, den: str) -> Optional[float]:
     """``num``/``den`` of the theoretical floors (known for every cell, run or not)."""
     cells = _index(report)
@@ -84,6 +99,13 @@ def crossings(report: dict) -> list[str]:
             if floors:
                 low, high = min(floors, key=lambda p: p[1]), max(floors, key=lambda p: p[1])
                 lines.append(f"  - theoretical floors: {low[1]:.2f} ({low[0]}) to {high[1]:.2f} ({high[0]})")
+            for s in shapes:
+                for n in seq_lens:
+                    if ratio(report, s, n, num, den, quantity) is None and (
+                            bound := peak_ratio_bound(report, s, n, num, den)):
+                        stopped = den if bound[0] == "<" else num
+                        lines.append(f"  - {s} x {n}: {bound[0]} {bound[1]:.2f}, from the peak {stopped} reached "
+                                     "before it was stopped (its own peak is at least that)")
     return lines
 
 
@@ -107,6 +129,9 @@ def _ratio_text(report: dict, shape: str, n: int, num: str, den: str, quantity: 
     """A memory ratio with the floors' ratio beside it, or a wall-time ratio with the CPU-time ratio (CPU runs)."""
     measured = ratio(report, shape, n, num, den, quantity)
     text = "–" if measured is None else f"{measured:.2f}"
+    bound = peak_ratio_bound(report, shape, n, num, den) if quantity == "peak_bytes" and measured is None else None
+    if bound is not None:
+        text = f"{bound[0]} {bound[1]:.2f}"
     if quantity == "peak_bytes":
         floor = floor_ratio(report, shape, n, num, den)
         if floor is not None:

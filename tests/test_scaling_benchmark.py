@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import scaling  # noqa: E402
+from benchmarks import scaling_report  # noqa: E402
 from benchmarks.scaling_report import crossings, ratio, render_markdown  # noqa: E402
 from benchmarks.theory import (  # noqa: E402
     activation_bytes,
@@ -210,3 +211,21 @@ def test_a_resumed_subset_run_keeps_the_files_other_cells_in_grid_order(tmp_path
     assert [scaling._key(c) for c in report["cells"]] == [
         ("a", 8, "lora"), ("a", 8, "lisa"), ("a", 16, "lora"), ("a", 16, "lisa"), ("b", 8, "lora"), ("b", 8, "lisa")]
     assert all(c["status"] == "does-not-fit" for c in report["cells"])
+
+
+def test_a_cell_stopped_before_its_peak_bounds_the_memory_ratio():
+    """LoRA aborted at 22 GiB (its peak at least that) beside LISA's 19.87 GiB: LISA/LoRA < 0.90, in the table and
+    in the crossings; a finished pair gives no bound."""
+    gib = 2**30
+    report = {"shapes": {"m": TINY}, "seq_lens": [2048], "methods": ["lora", "lisa"], "settings": {"device": "cpu"},
+              "cells": [{"shape": "m", "seq_len": 2048, "method": "lora", "status": "aborted",
+                         "peak_bytes_seen": 22 * gib, "reason": "aborted"},
+                        {"shape": "m", "seq_len": 2048, "method": "lisa", "status": "ok", "peak_bytes": 19.8 * gib,
+                         "median_step_seconds": 1.0}]}
+    assert scaling_report.peak_ratio_bound(report, "m", 2048, "lisa", "lora") == ("<", 0.9)
+    assert scaling_report.peak_ratio_bound(report, "m", 2048, "lora", "lisa") == (">", 22 / 19.8)
+    assert scaling_report._ratio_text(report, "m", 2048, "lisa", "lora", "peak_bytes") == "< 0.90"
+    assert any(line == "  - m x 2048: < 0.90, from the peak lora reached before it was stopped (its own peak is at "
+               "least that)" for line in crossings(report))
+    report["cells"][0].update(status="ok", peak_bytes=22 * gib, median_step_seconds=1.0)
+    assert scaling_report.peak_ratio_bound(report, "m", 2048, "lisa", "lora") is None
