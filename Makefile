@@ -53,8 +53,8 @@ bench-fair-lr: $(STAMP)
 	$(PY) benchmarks/sweep.py --study fair-lr
 
 # peak memory and s/step of full, LoRA and LISA over SmolLM2-135M/360M/1.7B shapes x rows of 128/512/2048 tokens, one
-# process per cell, cells too big for the machine recorded, not run: 2 h for the 135M and 360M cells on 2 loaded CPU
-# cores; the 1.7B cells take longer still
+# process per cell, cells too big for the machine recorded, not run: 2.7 h on 2 CPU cores (the 135M and 360M cells
+# ~2 h under load; a 1.7B x 2048 cell ~20 min)
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py
 
