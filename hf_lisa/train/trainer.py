@@ -143,12 +143,13 @@ class LisaTrainer(Trainer):
                 self.optimizer_cls_and_kwargs = step_in_backward_optimizer(self, opt_model)
             else:  # bitsandbytes' 8-bit AdamW, its CPU update a slice at a time (bit for bit the same)
                 self.optimizer_cls_and_kwargs = sliced_8bit_optimizer(self, opt_model) or self.optimizer_cls_and_kwargs
-            optimizer = self._create_optimizer(model)
+        given = self.optimizer is not None
+        optimizer = self._create_optimizer(model)
+        if not given or self.optim_8bit_embeddings:  # a given optimizer is left as it is, unless asked for 8 bits
             configured = configure_embedding_state(optimizer, opt_model, self.optim_8bit_embeddings)
             if configured:
                 logger.info(configured)
-            return optimizer
-        return self._create_optimizer(model)
+        return optimizer
 
     def _create_optimizer(self, model=None):
         if self.layerwise_lr_decay >= 1.0 or self.optimizer is not None:
