@@ -49,7 +49,12 @@ def test_bit_for_bit_bitsandbytes_8bit_adamw(optimizer_cls):
     """Slices of 768 values (rounded down from 1000 to whole quantization blocks), so the embedding's update runs in
     92 slices: parameters and both quantized states with their block maxima equal bitsandbytes' whole-tensor
     update exactly."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()  # what earlier optimizers of this process left behind would change the reference's config
     reference, ref_opt = _run(bnb.optim.AdamW, optim_bits=8)
+    # entries an optimizer of another model leaves in bitsandbytes' global manager, keyed by position and id()
+    manager.index2config[(0, 0)] = {"optim_bits": 32}
+    manager.pid2config.update({id(p): {"optim_bits": 32} for p in _Model().parameters()})
     model, opt = _run(optimizer_cls, slice_elements=1000)
     assert opt.slice_elements == 768
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):

@@ -19,11 +19,16 @@ bitsandbytes 8-bit optimizer; it recognises such an optimizer by its class's mod
 same override for these classes itself (or 8 bits, with ``--optim_8bit_embeddings``):
 :func:`set_embedding_state_bits`.
 
+Both match bitsandbytes' per-parameter overrides to their own parameters by identity and keep them (bitsandbytes
+keeps them in its process-global manager by position and ``id()``, where an earlier optimizer's entries leak into a
+later one's: seen in this test suite as an embedding silently given 32-bit state).
+
 Requires ``bitsandbytes`` (the ``quant`` extra).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -39,6 +44,7 @@ __all__ = ["AdamW8bitInBackward", "SlicedAdamW8bit", "set_embedding_state_bits",
 QUANT_BLOCK = 256
 #: values per slice of a CPU update (a multiple of ``QUANT_BLOCK``): 4 MiB of fp32 per temporary
 DEFAULT_SLICE_ELEMENTS = 1 << 20
+_NO_OVERRIDES = SimpleNamespace(index2config={}, pid2config={})
 
 
 class SlicedAdamW8bit(_BnbAdamW):
@@ -52,8 +58,35 @@ class SlicedAdamW8bit(_BnbAdamW):
     def __init__(self, params: Iterable[Any], *args: Any, slice_elements: int = DEFAULT_SLICE_ELEMENTS,
                  **kwargs: Any) -> None:
         kwargs.setdefault("optim_bits", 8)
+        self._overrides: dict[tuple[int, int], dict] = {}
         super().__init__(params, *args, **kwargs)
         self.slice_elements = max(QUANT_BLOCK, slice_elements // QUANT_BLOCK * QUANT_BLOCK)
+
+    def check_overrides(self) -> None:
+        """Match the manager's module overrides to this optimizer's parameters, by identity, and keep them here.
+
+        bitsandbytes stores the matches in its process-global manager, keyed by (group, index) and by ``id()``, and
+        reads them back from there: entries an earlier optimizer left (another model, another Trainer in the same
+        process) then apply to whichever parameter of a later optimizer sits at the same position or reuses the id,
+        so a weight can silently get 32-bit state. Overrides set with ``GlobalOptimManager.override_config`` (by
+        ``id()``) are not read, for the same reason; ``register_module_override`` is.
+        """
+        self._overrides = {}
+        for module, attr, config in self.mng.module_weight_config_triple:
+            weight = getattr(module, attr, None)
+            for gindex, group in enumerate(self.param_groups):
+                for pindex, p in enumerate(group["params"]):
+                    if p is weight:
+                        self._overrides[(gindex, pindex)] = config
+
+    def get_config(self, gindex: int, pindex: int, group: dict) -> dict:
+        manager, self.mng = self.mng, _NO_OVERRIDES  # bitsandbytes' own fields, without its global lookups
+        try:
+            config = super().get_config(gindex, pindex, group)
+        finally:
+            self.mng = manager
+        config.update(self._overrides.get((gindex, pindex), {}))
+        return config
 
     @torch.no_grad()
     def update_step(self, group: dict, p: torch.Tensor, gindex: int, pindex: int) -> None:
