@@ -71,13 +71,14 @@ class SlicedAdamW8bit(_BnbAdamW):
         so a weight can silently get 32-bit state. Overrides set with ``GlobalOptimManager.override_config`` (by
         ``id()``) are not read, for the same reason; ``register_module_override`` is.
         """
-        self._overrides = {}
-        for module, attr, config in self.mng.module_weight_config_triple:
-            weight = getattr(module, attr, None)
-            for gindex, group in enumerate(self.param_groups):
-                for pindex, p in enumerate(group["params"]):
-                    if p is weight:
-                        self._overrides[(gindex, pindex)] = config
+        position = self._positions()  # ids of live parameters: the manager's modules hold their weights alive
+        self._overrides = {position[id(weight)]: config for module, attr, config in self.mng.module_weight_config_triple
+                           if id(weight := getattr(module, attr, None)) in position}
+
+    def _positions(self) -> dict[int, tuple[int, int]]:
+        """``id(parameter) -> (group index, index in the group)``, bitsandbytes' key for a parameter's config."""
+        return {id(p): (gindex, pindex) for gindex, group in enumerate(self.param_groups)
+                for pindex, p in enumerate(group["params"])}
 
     def get_config(self, gindex: int, pindex: int, group: dict) -> dict:
         manager, self.mng = self.mng, _NO_OVERRIDES  # bitsandbytes' own fields, without its global lookups
@@ -130,8 +131,7 @@ class AdamW8bitInBackward(StepsInBackward, SlicedAdamW8bit):
             self.to_gpu()
             self.initialized = True
         if not self._index_of:
-            self._index_of = {id(q): (gi, pi) for gi, g in enumerate(self.param_groups)
-                              for pi, q in enumerate(g["params"])}
+            self._index_of = self._positions()
         for p in params:
             self._before_update(p)
             gindex, pindex = self._index_of[id(p)]

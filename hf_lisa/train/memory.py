@@ -331,8 +331,9 @@ def configure_embedding_state(optimizer, model: torch.nn.Module, eight_bit: bool
     from ..scheduler.optim_state import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
-    is_8bit = (type(inner).__module__.startswith(("bitsandbytes", "hf_lisa.scheduler.step_in_backward_8bit"))
-               and getattr(getattr(inner, "args", None), "optim_bits", None) == 8)
+    bnb = sys.modules.get("bitsandbytes")  # an 8-bit optimizer exists only where bitsandbytes was imported
+    is_8bit = (bnb is not None and isinstance(inner, bnb.optim.optimizer.Optimizer8bit)
+               and getattr(inner.args, "optim_bits", None) == 8)
     if not is_8bit:
         if eight_bit:
             raise ValueError(f"optim_8bit_embeddings=True needs a bitsandbytes 8-bit optimizer; this Trainer's is "
