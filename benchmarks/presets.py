@@ -58,6 +58,10 @@ METHODS: dict[str, MethodSpec] = {
             description="LISA adapters (dense), γ blocks sampled, on a 4-bit NF4 base (bitsandbytes, QLoRA-style)",
         ),
         MethodSpec(
+            "lisa-adapter-8bit", "lisa-adapter", "adapter", model_overrides={"load_in_8bit": True},
+            description="LISA adapters (dense), γ blocks sampled, on an 8-bit base (bitsandbytes LLM.int8())",
+        ),
+        MethodSpec(
             "lisa-adapter-sparse", "lisa-adapter", "adapter",
             lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2"},
             description="LISA adapters, 40% 2x2 block sparsity",

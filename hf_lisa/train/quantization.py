@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import sys
 from dataclasses import field
 from typing import Any, Optional
 
@@ -116,21 +117,61 @@ def bnb_config(model_args):
 
 
 def prepare_quantized_model(model, training_args):
-    """PEFT's ``prepare_model_for_kbit_training`` on a quantized ``model`` (a no-op for an unquantized one), as TRL does.
+    """PEFT's ``prepare_model_for_kbit_training`` on a quantized ``model`` (a no-op for an unquantized one), as TRL
+    does, and the guards that keep its bitsandbytes layers trainable after an evaluation, whatever adapter goes on them.
 
-    It freezes the base, casts its half-precision non-quantized parameters (embeddings, norms, head) to float32 for
-    stable training, and, with ``--gradient_checkpointing`` only, turns checkpointing on with inputs that require
-    grad. Without ``--gradient_checkpointing`` checkpointing stays off (PEFT's own default would turn it on).
+    PEFT's preparation freezes the base, casts its half-precision non-quantized parameters (embeddings, norms, head) to
+    float32 for stable training, and, with ``--gradient_checkpointing`` only, turns checkpointing on with inputs that
+    require grad. Without ``--gradient_checkpointing`` checkpointing stays off (PEFT's own default would turn it on).
+
+    The guards: 4-bit layers never take bitsandbytes' backward-less CPU inference layout
+    (:func:`hf_lisa.tuner.bnb.keep_4bit_layers_trainable`; the evaluation before training used to end every 4-bit run
+    there), and 8-bit layers keep their row scales when PEFT's DoRA replaces their weight (:func:`keep_8bit_scales`).
     """
     if not (getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)):
         return model
     from peft import prepare_model_for_kbit_training
 
-    return prepare_model_for_kbit_training(
+    from ..tuner.bnb import keep_4bit_layers_trainable
+
+    model = prepare_model_for_kbit_training(
         model,
         use_gradient_checkpointing=bool(training_args.gradient_checkpointing),
         gradient_checkpointing_kwargs=training_args.gradient_checkpointing_kwargs,
     )
+    keep_4bit_layers_trainable(model)
+    keep_8bit_scales(model)
+    return model
+
+
+def _restore_8bit_scales(module, args) -> None:
+    weight, state = module.weight, module.state
+    if getattr(weight, "CB", None) is not None and getattr(weight, "SCB", None) is None and state.SCB is not None:
+        weight.SCB = state.SCB  # the same int8 matrix (CB is the weight's data), so the same row scales
+
+
+def keep_8bit_scales(model) -> int:
+    """Give every bitsandbytes ``Linear8bitLt`` of ``model`` a forward pre-hook that puts its row scales back on a
+    weight that lost them; returns how many layers have the hook.
+
+    bitsandbytes moves an 8-bit weight's int8 matrix and row scales into the layer's state at the first forward.
+    PEFT's DoRA (``dequantize_module_weight``, every forward on CPU) then replaces the weight with ``weight.to("cpu")``,
+    which bitsandbytes 0.50 rebuilds with the matrix but without the scales, so the next forward overwrote the state's
+    scales with ``None`` and failed (``'NoneType' object has no attribute 'unsqueeze'``) at the second step: after the
+    evaluation before training, or at step 2 without one. Safe to call again.
+    """
+    if "bitsandbytes" not in sys.modules:
+        return 0
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            if not getattr(module, "_hf_lisa_scales_hook", False):
+                module.register_forward_pre_hook(_restore_8bit_scales)
+                module._hf_lisa_scales_hook = True
+            count += 1
+    return count
 
 
 def parameter_count(param) -> int:

@@ -7,6 +7,13 @@ exactly as on an ``nn.Linear`` base (:meth:`LisaLayer.add_adapter_outputs`). Wha
 add the delta, quantize again, with a warning, since the result is rounded to the quantization grid (a merged and
 unmerged adapter does not restore the original weights bit for bit).
 
+bitsandbytes 0.50 on a CPU with AVX512-BF16 repacks a ``Linear4bit`` weight into an inference-only layout the first
+time the layer runs in eval mode (an evaluation, a generation, the mask probe, a user's ``model.eval()``): that layout
+has no backward, so every later training step gets no gradient, silently. Its own inverse of that layout is lossy
+and, for rows of several 4-bit blocks, wrong. :func:`keep_4bit_layers_trainable` therefore keeps the repack from
+happening at all (``LisaModel`` calls it on every model it wraps; ``hf-lisa train`` on every quantized base, whatever
+the method), and :func:`unpack_cpu_inference_layout` restores a weight that was repacked before that.
+
 bitsandbytes is optional (``pip install hf-lisa[quant]``): this module imports it only once a model holds
 bitsandbytes layers, i.e. when bitsandbytes has already been imported.
 """
@@ -29,6 +36,58 @@ def _bnb():
     import bitsandbytes
 
     return bitsandbytes
+
+
+def unpack_cpu_inference_layout(weight: nn.Parameter) -> bool:
+    """Restore a bitsandbytes 4-bit weight from its CPU inference layout (AVX512-BF16 kernel) to the layout it was
+    quantized in, in place; ``False`` (and nothing done) if it is not in that layout.
+
+    bitsandbytes' own inverse restores the packed 4-bit codes exactly and re-quantizes nested scales, but leaves
+    plain (non-nested) scales in the layout's transposed ``(in/blocksize, out)`` order: wrong as soon as a row holds
+    more than one block. They are put back in row order here. Either way the scales keep the bfloat16 rounding the
+    layout stored them with (relative error under 2^-8), which is what inference in that layout computed with.
+    """
+    state = getattr(weight, "quant_state", None)
+    if not getattr(state, "packing_format_for_cpu", False):
+        return False
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    plain_scales = None if state.original_nested else state.absmax  # (in/blocksize, out), bfloat16
+    weight.data, state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+    if plain_scales is not None:
+        state.absmax = plain_scales.T.reshape(-1).to(torch.float32)  # quantize_4bit's order and dtype
+    weight.quant_state = state
+    return True
+
+
+def keep_4bit_layers_trainable(model: nn.Module) -> int:
+    """Keep bitsandbytes from repacking any of ``model``'s 4-bit layers into its CPU inference-only layout, and
+    restore those it already repacked; returns how many were restored (a warning says so).
+
+    Every ``Linear4bit`` is covered, with an adapter or not: a repacked layer also stops the gradient on its way to
+    the adapters before it. Inference in eval mode then runs bitsandbytes' ordinary 4-bit matmul (the one training
+    uses), not its AVX512-BF16 kernel. Safe to call again; a no-op when bitsandbytes is not imported.
+    """
+    if "bitsandbytes" not in sys.modules:
+        return 0
+    bnb = _bnb()
+    restored = []
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # read by Linear4bit.forward: repack only where the CPU supports AVX512-BF16 (bitsandbytes >= 0.48)
+            module.support_avx512bf16_for_cpu = False
+            if unpack_cpu_inference_layout(module.weight):
+                restored.append(name)
+    if restored:
+        warnings.warn(
+            f"{len(restored)} bitsandbytes 4-bit layers (e.g. {restored[0]!r}) were in bitsandbytes' CPU "
+            "inference-only layout, which has no backward (the model ran in eval mode before it was prepared for "
+            "training); they were restored to the trainable layout, their scales rounded to bfloat16 as that layout "
+            "stored them.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return len(restored)
 
 
 def quantized_layer_class(base: nn.Module) -> Optional[type]:
@@ -157,15 +216,8 @@ class Linear4bit(_QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         bnb = _bnb()
         weight = self.get_base_layer().weight
-        quant_state = weight.quant_state
-        if getattr(quant_state, "packing_format_for_cpu", False):
-            # bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU inference kernel; undo it first, as its own
-            # Linear4bit._save_to_state_dict does (the next inference forward packs them again)
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, quant_state)
-            quant_state = weight.quant_state
-        return bnb.functional.dequantize_4bit(weight.data, quant_state)
+        unpack_cpu_inference_layout(weight)  # a base repacked for CPU inference (an inference-mode adapter)
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
 
     def _set_quantized_weight(self, weight: torch.Tensor) -> None:
         bnb = _bnb()

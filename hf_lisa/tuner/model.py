@@ -11,7 +11,7 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
 from ..blocks import find_blocks
-from .bnb import quantized_layer_class
+from .bnb import keep_4bit_layers_trainable, quantized_layer_class
 from .config import LisaConfig
 from .layer import LisaLayer, Linear
 
@@ -135,6 +135,10 @@ class LisaModel(BaseTuner):
         # PeftModel.add_adapter calls inject_adapter without the injection hooks, so interpolation is set up here
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._add_interpolation(model, self.peft_config[adapter_name], adapter_name)
+        # on a 4-bit base, bitsandbytes must never take its backward-less CPU inference layout: an evaluation, a
+        # generation or the mask probe would end training silently (hf_lisa.tuner.bnb). Inference-mode adapters too, so
+        # that a reloaded adapter computes what the evaluations during training measured
+        keep_4bit_layers_trainable(model)
 
     def _add_interpolation(self, model: nn.Module, config: LisaConfig, adapter_name: str) -> None:
         if "lisa_interp_delta" not in self._modules:
