@@ -117,10 +117,10 @@ def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
 
     lisa_first = _lisa_callback(first, LisaAdapterCallback)
     lisa = _lisa_callback(resumed, LisaAdapterCallback)
-    # K = 2 caps the importance window at 1 step: blocks 2, 3 calibrate at step 0 (selected at 1), block 0 at its first
-    # active step 4; blocks 3 and 2 are re-selected once in the interval [4, 8), while active
+    # every block calibrates before step 0 (nothing trained); K = 2 caps the re-selection window at 1 step: blocks 0
+    # and 3 (active from 4) are re-selected at 5, block 2 (active from 6) at 7, inside the interval [4, 8)
     assert [(u["step"], u["kind"]) for u in lisa_first.mask_updates] == [
-        (1, "calibration"), (5, "calibration"), (5, "reselection"), (7, "reselection")
+        (0, "calibration"), (5, "reselection"), (7, "reselection")
     ]
     assert lisa.mask_updates == [u for u in lisa_first.mask_updates if u["step"] > 3]  # same changes, same jumps
     assert lisa.layer_scheduler.history == lisa_first.layer_scheduler.history[-3:]

@@ -104,8 +104,9 @@ def test_sparse_mask_is_reselected_on_schedule_keeps_structure_and_saved_mask_eq
     lisa = LisaAdapterCallback()
     trainer = _train(model, training_args(max_steps=9), token_dataset(), [lisa])
 
-    # calibration from steps 0-1 (selected as step 2 begins), then once per interval [3k, 3k+3) after a window of 2
-    assert [u["step"] for u in lisa.mask_updates] == [2, 5, 8]
+    # calibration before step 0 (2 steps' passes, nothing trained), then once per interval [3k, 3k+3) after a window
+    # of 2 trainable steps
+    assert [u["step"] for u in lisa.mask_updates] == [0, 5, 8]
     assert [u["kind"] for u in lisa.mask_updates] == ["calibration", "reselection", "reselection"]
     assert all(u["layers_updated"] == len(magnitude) for u in lisa.mask_updates)
     assert all(u["changed_fraction"] > 0 for u in lisa.mask_updates)
@@ -152,14 +153,15 @@ def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dat
     magnitude = {n: m.get_mask("default").clone() for n, m in _lisa_layers(model)}
     batches, handle = _record_training_batches(model)
     lisa = LisaAdapterCallback()
-    args = training_args(max_steps=importance_steps + 1, per_device_train_batch_size=examples_per_step // accumulation,
+    args = training_args(max_steps=1, per_device_train_batch_size=examples_per_step // accumulation,
                          gradient_accumulation_steps=accumulation)
     _train(model, args, token_dataset(), [lisa])
     handle.remove()
-    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(importance_steps, "calibration")]
+    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(0, "calibration")]
 
-    # reference: B = 0 during calibration, so dL/d(W + ΔW) is the base weight's own gradient. Per optimizer step: the
-    # gradient of the step's whole batch (its micro-batches summed, signed), then |.| pooled per 2x2 block, summed
+    # reference: B = 0 during calibration, so dL/d(W + ΔW) is the base weight's own gradient. Per calibration step (the
+    # first forwards in training mode, before step 0's): the gradient of the step's whole batch (its micro-batches
+    # summed, signed), then |.| pooled per 2x2 block, summed
     reference = tiny_llama()
     scores: dict[str, torch.Tensor] = {}
     for step in range(importance_steps):
@@ -189,7 +191,7 @@ def test_importance_does_not_depend_on_the_accumulation_split(tiny_llama, token_
         args = training_args(max_steps=6, per_device_train_batch_size=4 // accumulation,
                              gradient_accumulation_steps=accumulation, learning_rate=0.0)
         _train(model, args, token_dataset(), [lisa])
-        assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(2, "calibration"), (5, "reselection")]
+        assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(0, "calibration"), (5, "reselection")]
         masks.append({n: m.get_mask("default") for n, m in _lisa_layers(model)})
     for name in masks[0]:
         assert torch.equal(masks[0][name], masks[1][name]), name
@@ -257,32 +259,178 @@ def test_calibration_gives_the_same_mask_under_activation_checkpointing(
                              gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         lisa = LisaAdapterCallback()
         _train(model, args, token_dataset(), [lisa])
-        assert [u["step"] for u in lisa.mask_updates] == [2, 5]
+        assert [u["step"] for u in lisa.mask_updates] == [0, 5]
         masks.append([layer.get_mask("default") for _, layer in lisa.mask_scheduler.layers])
     assert all(torch.equal(a, b) for a, b in zip(*masks))
 
 
-def test_a_fresh_blocks_calibration_takes_at_most_half_of_its_period(tiny_llama, token_dataset, training_args, caplog):
-    # K = 5, importance_steps = 4: before, a block sampled for the first time spent 4 of its 5 steps calibrating
-    # (its update withheld); now it calibrates for K // 2 = 2 and trains for 3. Re-selections keep the K - 1 cap.
+# -- calibration outside the training steps (issue 22, item 3) ---------------------------------------------------------
+class _Steps(TrainerCallback):
+    """Per optimizer step: the learning rate it used, every parameter before and after, and the gradients applied."""
+
+    def __init__(self, model):
+        self.model, self.lrs, self.before, self.after, self.grads = model, [], [], [], []
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+        self.before.append(_snapshot(self.model))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after.append(_snapshot(self.model))
+
+    def moved(self, step, keyword):
+        return any(not torch.equal(self.after[step][n], v) for n, v in self.before[step].items() if keyword in n)
+
+
+def test_a_fresh_sparse_adapter_trains_from_the_first_step_with_a_learning_rate_and_follows_warmup(
+    tiny_llama, token_dataset, training_args
+):
+    # before: the first importance_steps = 4 optimizer steps calibrated the masks with B held at 0, so the adapter
+    # first moved at step 4, at the end of the warmup (lr 0.8 of the peak) with fresh optimizer state; warmup_steps had
+    # no effect. Now the masks are calibrated before step 0 and B moves at every step whose lr is > 0.
+    peak, warmup = 0.1, 5
+    config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
+                                importance_steps=4, mask_update_interval=0)
+    model = get_peft_model(tiny_llama(), config)
+    lisa, steps = LisaAdapterCallback(), _Steps(model)
+    args = training_args(max_steps=7, optim="sgd", learning_rate=peak, lr_scheduler_type="linear",
+                         warmup_steps=warmup, max_grad_norm=0.0)
+    _train(model, args, token_dataset(), [lisa, steps])
+
+    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(0, "calibration")]
+    assert steps.lrs[:warmup] == pytest.approx([peak * t / warmup for t in range(warmup)])
+    assert [steps.moved(t, ".lisa_B.") for t in range(7)] == [False] + [True] * 6  # lr(0) = 0 under linear warmup
+    for t in range(1, 7):  # SGD: each update is exactly lr(t) times the gradient, B's included
+        for name, grad in steps.grads[t].items():
+            expected = steps.before[t][name] - steps.lrs[t] * grad
+            torch.testing.assert_close(steps.after[t][name], expected, rtol=0, atol=1e-7, msg=name)
+        assert any(".lisa_B." in name for name in steps.grads[t])
+
+
+def test_a_block_sampled_later_trains_for_its_whole_first_period(tiny_llama, token_dataset, training_args):
+    # before: a block sampled for the first time spent the first min(importance_steps, K // 2) steps of its period
+    # calibrating with its update withheld. Now every fresh sparse layer is calibrated before step 0.
     config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], sparsity=0.5, mask_init="importance",
                                 importance_steps=4, mask_update_interval=0, lisa_activated_layers=1,
-                                lisa_interval_steps=5)
+                                lisa_interval_steps=4, lisa_sampling="cyclic")
     model = get_peft_model(tiny_llama(num_layers=2), config)
+    lisa, steps = LisaAdapterCallback(seed=0), _Steps(model)
+    _train(model, training_args(max_steps=8), token_dataset(), [lisa, steps])
+
+    first, second = (blocks for _, blocks in lisa.layer_scheduler.history)
+    assert first != second  # cyclic: the second period's block trains for the first time
+    assert [(u["step"], u["kind"], u["layers_updated"]) for u in lisa.mask_updates] == [(0, "calibration", 4)]
+    for t in range(8):
+        (block,) = first if t < 4 else second
+        assert steps.moved(t, f".layers.{block}.self_attn.q_proj.lisa_B."), t
+    assert not lisa.mask_scheduler.withheld
+
+
+# -- clipping and the logged grad_norm see only the gradients applied (issue 22, item 4) ------------------------------
+class _ClipReference(TrainerCallback):
+    """After each step, recomputes the update by hand: the step's batch from the parameters before it, the gradients
+    the schedule applies (no withheld, no stray ones; the interpolation penalty's 2λβ added), clipped by
+    ``torch.nn.utils.clip_grad_norm_``, times the (constant, SGD) learning rate."""
+
+    def __init__(self, model, lisa, stray_blocks=()):
+        self.model, self.lisa, self.stray_blocks = model, lisa, stray_blocks
+        self.batches, self.norms, self.mismatches, self.clipped = [], [], [], []
+        self._handle = model.get_base_model().register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            self.batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels")})
+
+    def _stray(self, name):
+        return any(f".layers.{b}." in name for b in self.stray_blocks) and ".lisa_" in name
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.batches.clear()  # the LISA callback (first in the list) has calibrated by now
+        for name, p in self.model.named_parameters():  # re-enabled behind the schedule: these get stray gradients
+            if self._stray(name):
+                p.requires_grad_(True)
+        self.before = _snapshot(self.model)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        model, masks = self.model, self.lisa.mask_scheduler
+        withheld = {id(p) for p in masks.withheld} if masks is not None else set()
+        applied = {n: p for n, p in model.named_parameters()
+                   if p.requires_grad and id(p) not in withheld and not self._stray(n)}
+        after = _snapshot(model)
+        tracking = [layer.lisa_track_importance for _, layer in masks.layers] if masks is not None else []
+        if masks is not None:
+            masks.set_tracking(False)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.before.items():
+                params[name].copy_(value)
+        model.zero_grad(set_to_none=True)
+        (batch,) = self.batches
+        model(**batch).loss.backward()
+        grads = {n: p.grad.clone() for n, p in applied.items() if p.grad is not None}
+        tuner = model.base_model
+        if "default" in getattr(tuner, "lisa_interp_beta", {}):
+            lam = tuner.peft_config["default"].interpolation_beta_l2
+            name = next(n for n, p in params.items() if p is tuner.lisa_interp_beta["default"])
+            grads[name] = grads[name] + 2 * lam * self.before[name]
+        copies = {n: torch.nn.Parameter(v.clone()) for n, v in self.before.items() if n in grads}
+        for n, p in copies.items():
+            p.grad = grads[n]
+        norm = float(torch.nn.utils.clip_grad_norm_(list(copies.values()), args.max_grad_norm))
+        self.norms.append(norm)
+        self.clipped.append(norm > args.max_grad_norm)
+        for n, p in copies.items():
+            expected = self.before[n] - args.learning_rate * p.grad
+            if not torch.allclose(after[n], expected, rtol=1e-5, atol=1e-8):
+                self.mismatches.append((state.global_step - 1, n))
+        for n in params:
+            if n not in copies and not torch.equal(after[n], self.before[n]):
+                self.mismatches.append((state.global_step - 1, f"{n} moved"))
+        with torch.no_grad():
+            for name, value in after.items():
+                params[name].copy_(value)
+        model.zero_grad(set_to_none=True)
+        for (_, layer), flag in zip(masks.layers if masks is not None else [], tracking):
+            layer.lisa_track_importance = flag
+
+
+CLIP_CASES = {
+    # the mixed recipe: sparse q/v (calibrating), dense FFN adapters and a modules_to_save head training meanwhile
+    "mixed-calibration": dict(
+        config=dict(target_modules=["q_proj", "v_proj", "up_proj"], sparsity=0.5, sparsity_pattern={"up_proj": 0.0},
+                    importance_steps=3, mask_update_interval=0, modules_to_save=["lm_head"]),
+        stray_blocks=()),
+    # the interpolation penalty's gradient 2λβ is part of the step's gradient
+    "interpolation-penalty": dict(
+        config=dict(target_modules=["q_proj"], layer_interpolation=True, interpolation_beta_l2=0.05), stray_blocks=()),
+    # gradients that reach a frozen block behind the schedule are dropped, so they must not count
+    "stray-gradients": dict(
+        config=dict(target_modules=["q_proj", "v_proj"], lisa_activated_layers=1, lisa_interval_steps=8,
+                    lisa_sampling="cyclic"), stray_blocks=(1,)),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_clipping_and_the_logged_grad_norm_cover_exactly_the_gradients_applied(
+    tiny_llama, token_dataset, training_args, case
+):
+    # before: the LISA callback withheld calibration gradients, dropped stray ones and added the penalty's at
+    # on_pre_optimizer_step, after the Trainer had clipped and measured the norm
+    spec = CLIP_CASES[case]
+    model = get_peft_model(tiny_llama(num_layers=2), hf_lisa.LisaConfig(r=4, **spec["config"]))
+    if case == "interpolation-penalty":
+        with torch.no_grad():
+            model.base_model.lisa_interp_beta["default"].copy_(torch.tensor([1.5, -2.0]))
     lisa = LisaAdapterCallback(seed=0)
-    moved = []
+    reference = _ClipReference(model, lisa, spec["stray_blocks"])
+    args = training_args(max_steps=3, optim="sgd", learning_rate=0.1, lr_scheduler_type="constant",
+                         max_grad_norm=0.05)
+    trainer = _train(model, args, token_dataset(), [lisa, reference])
 
-    class Watch(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.before = _snapshot(model)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            after = dict(model.named_parameters())
-            moved.append(any(not torch.equal(after[n], v) for n, v in self.before.items() if ".lisa_B." in n))
-
-    with caplog.at_level("INFO"):
-        _train(model, training_args(max_steps=5), token_dataset(), [lisa, Watch()])
-    assert (lisa.mask_scheduler.calibration_window, lisa.mask_scheduler.window) == (2, 4)
-    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(2, "calibration")]
-    assert moved == [False, False, True, True, True]  # B held at 0 for the 2 calibration steps, then trained
-    assert "calibration (its update withheld) takes 2 steps, half of lisa_interval_steps=5" in caplog.text
+    assert all(reference.clipped), reference.norms  # the clip binds in every step
+    assert not reference.mismatches, reference.mismatches
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert logged == pytest.approx(reference.norms, rel=1e-5)

@@ -85,7 +85,7 @@ def test_mask_calibration_works_with_a_trainer_that_computes_its_own_loss(tiny_l
     provisional = {n: m.get_mask("default").clone() for n, m in model.named_modules() if isinstance(m, LisaLayer)}
     lisa = LisaAdapterCallback()
     OwnLossTrainer(model=model, args=training_args(max_steps=3), train_dataset=token_dataset(), callbacks=[lisa]).train()
-    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(2, "calibration")]
+    assert [(u["step"], u["kind"]) for u in lisa.mask_updates] == [(0, "calibration")]
     assert lisa.mask_scheduler.calibrated
     for name, layer in model.named_modules():
         if isinstance(layer, LisaLayer):
@@ -97,15 +97,18 @@ def test_sparse_adapters_hold_b_at_zero_while_calibrating(tiny_llama, token_data
                                 mask_update_interval=0)
     model = get_peft_model(tiny_llama(), config)
     seen = []
+    lisa = LisaAdapterCallback()
 
-    class Probe(TrainerCallback):
+    class Probe(TrainerCallback):  # after the LISA callback: step 0's calibration has run
         def on_step_begin(self, args, state, control, **kwargs):
-            seen.append(all(not m.lisa_B["default"].weight.any() for m in model.modules() if isinstance(m, LisaLayer)))
+            seen.append((len(lisa.mask_updates),
+                         all(not m.lisa_B["default"].weight.any() for m in model.modules() if isinstance(m, LisaLayer))))
 
     Trainer(model=model, args=training_args(max_steps=5), train_dataset=token_dataset(),
-            callbacks=[LisaAdapterCallback(), Probe()]).train()
-    # steps 0-2 calibrate (B = 0 throughout, so the mask choice never changes the function); step 3 trains B
-    assert seen == [True, True, True, True, False]
+            callbacks=[lisa, Probe()]).train()
+    # the masks are calibrated before step 0 with B = 0 throughout (so the mask choice never changes the function);
+    # B trains from step 0 on
+    assert seen == [(1, True)] + [(1, False)] * 4
 
 
 # -- the interpolation penalty -----------------------------------------------------------------------------------------

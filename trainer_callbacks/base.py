@@ -31,6 +31,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
         self._global_step = 0
         self._pending_logs: dict[str, Any] = {}
         self._warned_stray = False
+        self._gradients_completed = False  # complete_lisa_gradients() ran in this optimizer step
 
     # -- logging -------------------------------------------------------------------------------------------------------
     def _log_values(self, optimizer) -> dict[str, Any]:
@@ -96,8 +97,22 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
             )
 
     # -- the step ------------------------------------------------------------------------------------------------------
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # gradients are complete (all micro-batches, all-reduced under DDP); the update has not happened yet
+    def _begin_step(self) -> None:
+        """Call first in ``on_step_begin``: the step's gradients are not complete yet."""
+        self._gradients_completed = False
+
+    def complete_lisa_gradients(self, optimizer) -> None:
+        """What the schedule does to a step's gradients once they are complete, before anything reads them.
+
+        Drops gradients that reached frozen parameters, folds the step's mask importance and withholds the update of
+        layers calibrating in training, and adds the interpolation penalty's gradient: so the Trainer's gradient
+        clipping and its logged ``grad_norm`` see exactly the gradients the optimizer applies. Runs once per optimizer
+        step: from the Trainer's ``_clip_grad_norm``/``_get_grad_norm`` (wrapped by :func:`.setup.configure_trainer`;
+        the gradients are then complete: every micro-batch, all-reduced under DDP), else at ``on_pre_optimizer_step``.
+        """
+        if self._gradients_completed:
+            return
+        self._gradients_completed = True
         if self.layer_scheduler is not None:
             stray = self.layer_scheduler.drop_stray_gradients()
             if stray and not self._warned_stray:
@@ -105,13 +120,20 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
                 logger.warning(
                     "LISA: %d frozen parameter(s) received gradients at step %d: something re-enabled requires_grad "
                     "behind the schedule (a library or user code). Their gradients were dropped, so they did not "
-                    "move; the compute was wasted.", len(stray), state.global_step,
+                    "move; the compute was wasted.", len(stray), self._global_step,
                 )
-            if self.layer_scheduler.strategy == "importance":
-                self.layer_scheduler.observe_gradients()
         if self.mask_scheduler is not None:
             self.mask_scheduler.end_step()
         self._apply_penalty(optimizer)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # the gradients were completed before the Trainer clipped them, unless it bypassed _clip_grad_norm and
+        # _get_grad_norm (a custom training loop): then here, the last moment before the update
+        self.complete_lisa_gradients(optimizer)
+        self._gradients_completed = False
+        if self.layer_scheduler is not None and self.layer_scheduler.strategy == "importance":
+            # the sampler's running norm reads the gradients as the optimizer gets them (unscaled, clipped)
+            self.layer_scheduler.observe_gradients()
 
     def _apply_penalty(self, optimizer) -> None:
         """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA)."""

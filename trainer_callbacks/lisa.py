@@ -11,9 +11,12 @@ The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at 
 * ``on_train_begin``: the Trainer has built the optimizer over every candidate parameter, prepared it and loaded any
   checkpoint; freeze everything but the first active set here (LMFlow #726), or restore the checkpointed schedule.
 * ``on_step_begin``: fires once per optimizer step, gradient accumulation included; switch when
-  ``global_step % K == 0``, re-assert the trainable set otherwise, then let the mask schedule select and track.
-* ``on_pre_optimizer_step``: gradients are complete; drop any that reached frozen parameters, feed the
-  ``"importance"`` sampler, fold the step's mask importance, apply the interpolation penalty's gradient.
+  ``global_step % K == 0``, re-assert the trainable set otherwise, then let the mask schedule select and track (at a
+  fresh schedule's first step, after calibrating the first masks with passes that train nothing: :mod:`.calibration`).
+* Once the step's gradients are complete, before the Trainer clips them and measures ``grad_norm``
+  (``complete_lisa_gradients``, :func:`.setup.complete_gradients_before_clipping`): drop any that reached frozen
+  parameters, fold the step's mask importance, apply the interpolation penalty's gradient.
+* ``on_pre_optimizer_step``: feed the ``"importance"`` sampler.
 * ``on_optimizer_step``: project δ back into its bound.
 * ``on_log``: active blocks, parameter counts, optimizer-state bytes and mask/penalty values join the Trainer's logs.
 
@@ -37,6 +40,7 @@ from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
 from hf_lisa.tuner.config import _is_int, check_lisa_settings
 
 from .base import _LisaCallbackBase
+from .calibration import calibrate_due_masks
 from .setup import check_engine, check_lisa_training_setup, probe_batch, tuner_of, unscaled_factor
 
 logger = logging.getLogger(__name__)
@@ -164,6 +168,7 @@ class LisaCallback(_LisaCallbackBase):
         self._global_step = state.global_step
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._begin_step()
         if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
             self.layer_scheduler.enforce()
 
@@ -175,17 +180,20 @@ class LisaAdapterCallback(_LisaCallbackBase):
       train in each period of ``lisa_interval_steps`` steps; layer-interpolation scalars and ``modules_to_save`` train
       throughout. γ = 0 trains every adapter (no sampling).
     * **Sparse masks** (adapters with ``sparsity > 0``, see :class:`hf_lisa.scheduler.MaskScheduler`): a fresh
-      adapter's first mask comes from ``|∂L/∂W|`` over its first ``importance_steps`` trainable steps, through the
-      trainer's own loss, while its ``B`` stays 0 (``mask_init="importance"``); a loaded, trained adapter keeps its
-      masks. Each sparse layer is then re-selected once per ``mask_update_interval`` in which it trains, while its
-      block is active, from the signed gradient summed per step and what it has learned. Logged as
-      ``lisa/mask_*`` (changed fraction, retained ``ΔW`` energy, loss on a fixed batch before/after).
+      adapter's first masks (``mask_init="importance"``, ``B = 0``) come from ``|∂L/∂W|`` through the trainer's own
+      loss, gathered before the first optimizer step over ``importance_steps`` steps' worth of extra passes that
+      train nothing (:mod:`.calibration`), for every sparse layer at once: no training step is spent, so the adapter
+      trains from the first step whose learning rate is > 0 (the warmup applies to it) and a block sampled later
+      trains for its whole first period; a loaded, trained adapter keeps its masks. Each sparse layer is then
+      re-selected once per ``mask_update_interval`` in which it trains, while its block is active, from the signed
+      gradient summed per step and what it has learned. Logged as ``lisa/mask_*`` (changed fraction, retained ``ΔW``
+      energy, loss on a fixed batch before/after).
     * **Layer interpolation**: the penalty λ·Σβ² is applied once per optimizer step as the gradient ``2λβ``, whatever
       the trainer's loss, gradient accumulation or world size (logged as ``lisa/interp_penalty``); δ is projected
       back into ``±interpolation_delta_bound`` after each step; δ and β get no weight decay.
     * **One authority on what trains**: the schedule re-asserts the trainable set at every step and declares frozen
       blocks where PEFT itself re-applies them (``disable_adapter()`` in TRL's DPO reference pass re-enables every
-      adapter otherwise); gradients that reach frozen parameters anyway are dropped before the optimizer step.
+      adapter otherwise); gradients that reach frozen parameters anyway are dropped before the clip and the step.
 
     Settings come from the adapter's ``LisaConfig``; keyword arguments override them.
 
@@ -305,12 +313,6 @@ class LisaAdapterCallback(_LisaCallbackBase):
         )
         if not mask_scheduler.layers:
             mask_scheduler = None
-        elif not mask_scheduler.calibrated and mask_scheduler.calibration_window < mask_scheduler.importance_steps:
-            logger.info(
-                "importance_steps=%d: a fresh adapter's mask calibration (its update withheld) takes %d steps, half of "
-                "lisa_interval_steps=%d, so that a block sampled for the first time trains for the rest of its period; "
-                "re-selections gather %d.", mask_scheduler.importance_steps, mask_scheduler.calibration_window,
-                layer_scheduler.interval_steps, mask_scheduler.window)
         tuner = tuner_of(model)
         interpolation = tuner.interpolation_parameters() if tuner is not None else []
         if layer_scheduler is None and mask_scheduler is None and not interpolation:
@@ -385,14 +387,17 @@ class LisaAdapterCallback(_LisaCallbackBase):
             return None
         return float(loss)
 
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_begin(self, args, state, control, optimizer=None, train_dataloader=None, **kwargs):
+        self._begin_step()
         # the layer switch first: masks are re-selected only in blocks that train in this step
         if self.layer_scheduler is not None:
             if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
                 self.layer_scheduler.enforce()
         if self.mask_scheduler is not None:
             probe = self._probe_loss if self._probe_batch is not None else None
-            for record in self.mask_scheduler.step(state.global_step, probe):
+            records = calibrate_due_masks(self, args, state, train_dataloader)  # a fresh schedule's first step only
+            records += self.mask_scheduler.step(state.global_step, probe)
+            for record in records:
                 if record["kind"] == "calibration":
                     self._pending_logs["lisa/mask_calibrated_layers"] = record["layers_updated"]
                     continue

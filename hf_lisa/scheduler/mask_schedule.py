@@ -26,17 +26,22 @@ class MaskScheduler:
 
     Timeline, per sparse layer (U = ``mask_update_interval``, W = ``importance_steps``, both in optimizer steps):
 
-    * **Calibration** (a *fresh* layer: ``B = 0`` and ``mask_init="importance"``): the layer's first W *trainable*
-      optimizer steps score ``|∂L/∂W|`` through the trainer's own loss (plain causal LM, TRL's SFT or DPO, a custom
-      ``compute_loss``: whatever the backward pass differentiates). Its ``A`` and ``B`` get no update during those
-      steps, so ``ΔW`` stays 0 and the choice of ``M`` never changes the function. A loaded, trained adapter
+    * **Calibration** (a *fresh* layer: ``B = 0`` and ``mask_init="importance"``) happens *outside* the training
+      steps, before the first optimizer step of a fresh schedule (:meth:`calibrate`, which the adapter callback runs):
+      W steps' worth of forward/backward passes score ``|∂L/∂W|`` of every fresh layer at once (frozen blocks'
+      layers too) through the trainer's own loss (plain causal LM, TRL's SFT or DPO, a custom ``compute_loss``:
+      whatever the backward pass differentiates); nothing is updated and no training step is spent, so the
+      learning-rate warmup, and a block sampled later, train from their first step. ``B = 0`` is why the mask must be
+      chosen first: ``∂L/∂A = 0`` and ``ΔW = 0``, so the choice of ``M`` never changes the function, while any update
+      of ``B`` before it would be cut by the choice. A layer those passes do not reach (no tokens route to it), and a
+      caller that drives :meth:`step`/:meth:`end_step` alone, calibrates *in training* instead: its first W
+      trainable steps (at most ⌊K/2⌋ under layerwise sampling, :attr:`calibration_window`) gather the importance
+      while its ``A`` and ``B`` get no update (:meth:`end_step` withholds their gradients). A loaded, trained adapter
       (``B ≠ 0``) keeps its masks unless ``recalibrate=True``.
     * **Re-selection**: once per interval ``[kU, (k+1)U)`` in which the layer trains, after it has gathered W steps of
       importance *while trainable*, at the start of an optimizer step in which it still trains (never the step that
       freezes its block). With layerwise sampling, W is capped at K − 1 so that the window completes, and the
-      selection happens, inside one active period; a calibration's W at ⌊K/2⌋ (:attr:`calibration_window`), so that
-      a block sampled for the first time trains for at least half of its period instead of spending it with its
-      update withheld (on cpu-small, K = 5 and W = 4 left one step in five to train).
+      selection happens, inside one active period.
     * **Importance**: the hook on ``M ⊙ (B A)`` sums the *signed* ``∂L/∂W`` over the micro-batches of a step (summed
       over ranks under DDP); ``|·|`` of each step's sum, pooled on the selection grid, is added to the window's
       score. The split of a batch into micro-batches therefore does not change the mask.
@@ -92,7 +97,8 @@ class MaskScheduler:
         self.window = (
             self.importance_steps if interval_steps is None else min(self.importance_steps, max(1, interval_steps - 1))
         )
-        #: the steps of a fresh layer's calibration (its update withheld): at most half of a block's active period
+        #: the steps of a fresh layer's calibration *in training* (its update withheld): at most half of a block's
+        #: active period. :meth:`calibrate`, outside the training steps, takes the whole ``importance_steps``.
         self.calibration_window = (
             self.window if interval_steps is None else min(self.window, max(1, interval_steps // 2))
         )
@@ -112,6 +118,8 @@ class MaskScheduler:
         self.num_updates = 0
         self.updates: list[dict[str, Any]] = []  # what each selection of this session did (logged)
         self.withheld: list[nn.Parameter] = []  # factors whose update the last end_step() withheld (calibrating)
+        #: whether :meth:`calibrate` should run before the first optimizer step (set by :meth:`start`, a fresh schedule)
+        self.calibration_due = False
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
     def _spec(self, layer) -> dict[str, Any]:
@@ -151,10 +159,12 @@ class MaskScheduler:
         return not any(self.fresh.values())
 
     def start(self, global_step: int = 0) -> None:
-        """Begin a fresh schedule at ``global_step``: trained layers count as selected in the current interval."""
+        """Begin a fresh schedule at ``global_step``: trained layers count as selected in the current interval, and
+        fresh layers are due for :meth:`calibrate` (a resumed schedule, :meth:`load_state_dict`, never is)."""
         for name, _ in self.layers:
             if not self.fresh[name]:
                 self.selected_interval[name] = self._interval(global_step)
+        self.calibration_due = not self.calibrated
 
     def set_tracking(self, enabled: bool) -> None:
         """Switch importance accumulation on or off in every sparse layer."""
@@ -191,13 +201,27 @@ class MaskScheduler:
         return records
 
     def end_step(self) -> list[str]:
-        """Call once the step's gradients are complete, before the optimizer step (``on_pre_optimizer_step``).
+        """Call once the step's gradients are complete, before they are clipped and the optimizer steps.
 
         Folds the step's signed gradient into the importance, and withholds the update of layers still calibrating
-        (their ``B`` stays 0). Returns the names of the layers that gathered importance in this step.
+        in training (their ``B`` stays 0; see :meth:`calibrate` for the calibration that spends no training step).
+        The LISA callbacks call it before the Trainer clips the gradients and measures ``grad_norm``, so that both
+        see only the gradients applied. Returns the names of the layers that gathered importance in this step.
         """
         self.withheld = []
-        tracked = [(name, layer) for name, layer in self.layers if layer.lisa_track_importance]
+        gathered = self._fold([(name, layer) for name, layer in self.layers if layer.lisa_track_importance])
+        layers = dict(self.layers)
+        for name in gathered:
+            if self.fresh[name]:
+                layer = layers[name]
+                for factor in (layer.lisa_A[self.adapter_name].weight, layer.lisa_B[self.adapter_name].weight):
+                    factor.grad = None
+                    self.withheld.append(factor)
+        return gathered
+
+    def _fold(self, tracked: Sequence[tuple[str, Any]]) -> list[str]:
+        """Add ``|·|`` of the signed gradient summed since the last fold (over ranks too), pooled, to each tracked
+        layer's importance; returns the layers that had one."""
         sums = [layer.lisa_grad_sum.pop(self.adapter_name, None) for _, layer in tracked]
         if _dist_world_size() > 1 and tracked:
             sums = self._all_reduce_sums(tracked, sums)
@@ -211,11 +235,57 @@ class MaskScheduler:
             layer.lisa_importance[self.adapter_name] = pooled if acc is None else acc + pooled
             self.window_steps[name] += 1
             gathered.append(name)
-            if self.fresh[name]:
-                for factor in (layer.lisa_A[self.adapter_name].weight, layer.lisa_B[self.adapter_name].weight):
-                    factor.grad = None
-                    self.withheld.append(factor)
         return gathered
+
+    def calibrate(self, run_step: Callable[[list[nn.Parameter]], None], global_step: int) -> Optional[dict]:
+        """Select the first mask of every fresh layer from ``importance_steps`` steps of passes that train nothing.
+
+        Call before the optimizer step ``global_step`` of a fresh schedule (:attr:`calibration_due`). ``run_step``
+        runs one step's forward and backward passes (its micro-batches), with the gradient taken with respect to the
+        factors it is given (the fresh layers' ``A`` and ``B``, trainable for the duration, a frozen block's too, and
+        not declared frozen to PEFT meanwhile) or with ``backward()``; it must update nothing. Each step's signed ``∂L/∂W`` is folded as in training (summed
+        over micro-batches and ranks, then ``|·|``). Returns the calibration record (as :meth:`select`), or ``None``
+        when no fresh layer was reached; a layer not reached stays fresh and calibrates in training.
+        """
+        self.calibration_due = False
+        layers = dict(self.layers)
+        names = [name for name, _ in self.layers if self.fresh[name]]
+        if not names:
+            return None
+        fresh = [(name, layers[name]) for name in names]
+        factors = [f for _, layer in fresh for f in (layer.lisa_A[self.adapter_name].weight,
+                                                     layer.lisa_B[self.adapter_name].weight)]
+        flags = [f.requires_grad for f in factors]
+        tracking = [layer.lisa_track_importance for _, layer in self.layers]
+        # a frozen block's layers are declared frozen where PEFT re-applies it (disable_adapter()'s exit in TRL's DPO
+        # reference pass, see LayerwiseScheduler.enforce): lift that for the passes, or their factors freeze mid-pass
+        declared = [dict(layer.frozen_peft_weight_names) for _, layer in fresh]
+        for name, layer in fresh:  # partial importance of an in-training calibration (an older checkpoint): restart
+            layer.lisa_importance.pop(self.adapter_name, None)
+            self.window_steps[name] = 0
+        try:
+            for factor in factors:
+                factor.requires_grad_(True)
+            for _, layer in fresh:
+                layer.frozen_peft_weight_names = {
+                    k: v for k, v in layer.frozen_peft_weight_names.items() if k != self.adapter_name
+                }
+            for name, layer in self.layers:
+                layer.lisa_grad_sum.pop(self.adapter_name, None)
+                layer.lisa_track_importance = self.fresh[name]
+            for _ in range(self.importance_steps):
+                run_step(factors)
+                self._fold(fresh)
+        finally:
+            for factor, flag in zip(factors, flags):
+                factor.requires_grad_(flag)
+            for (_, layer), frozen in zip(fresh, declared):
+                layer.frozen_peft_weight_names = frozen
+            for (_, layer), flag in zip(self.layers, tracking):
+                layer.lisa_track_importance = flag
+                layer.lisa_grad_sum.pop(self.adapter_name, None)
+        reached = [name for name in names if self.window_steps[name] > 0]
+        return self.select(global_step, reached) if reached else None
 
     def _all_reduce_sums(self, tracked, sums: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
         # every rank tracks the same layers (same schedule); a rank without a gradient for one contributes zeros

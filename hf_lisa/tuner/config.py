@@ -179,13 +179,14 @@ class LisaConfig(PeftConfig):
         block_size (`tuple[int, int]`, defaults to `(2, 2)`): block shape (out, in) for `"block"`.
         n_m (`tuple[int, int]`, defaults to `(2, 4)`): keep n of every m inputs for `"n:m"`; ρ must be `1 - n/m`.
         mask_init (`str`, defaults to `"importance"`): how `M` is chosen: `|∂L/∂W|` (selected by the scheduler
-            callback from the first `importance_steps` training steps of a fresh adapter, through the trainer's own
-            loss; magnitude until then), `|W|`, seeded random, or dense.
+            callback before the first optimizer step of a fresh adapter, from `importance_steps` steps' worth of
+            passes through the trainer's own loss that train nothing; magnitude until then), `|W|`, seeded random,
+            or dense.
         mask_seed (`int`, defaults to `0`): seed of the `"random"` mask.
         mask_update_interval (`int`, defaults to `1000`): re-select `M` every this many optimizer steps; 0 never.
         importance_steps (`int`, defaults to `8`): optimizer steps over which importance is accumulated before a
-            selection (capped at `lisa_interval_steps - 1` under layerwise sampling, and a fresh adapter's calibration,
-            whose update is withheld, at half of `lisa_interval_steps`).
+            selection (a re-selection's capped at `lisa_interval_steps - 1` under layerwise sampling); a fresh
+            adapter's calibration runs this many steps' worth of extra passes before training starts.
         mask_keep_learned (`float`, defaults to `1.0`): weight of `|ΔW|` beside `|∂L/∂W|` in the re-selection score;
             0 scores by the gradient alone.
         new_block_bonus (`float`, defaults to `0.5`): bonus (× mean kept score) for cells switched on at the previous
