@@ -288,3 +288,13 @@ def test_interpolation_forward_in_half_precision_tracks_float32(dtype):
         out = model(X)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+
+
+# FSDP1 (use_orig_params=True) on one gloo process: get_peft_model_state_dict / set_peft_model_state_dict round trip
+TestLisaUnderPeftFsdpStateDict = _lisa_test_class(
+    "TestLisaUnderPeftFsdpStateDict",
+    peft_custom.TestPeftFsdpStateDict,
+    {_CASE_ARGS: LISA_TEST_CASES},
+    "PEFT's ``TestPeftFsdpStateDict``: a LISA adapter saved from an FSDP-wrapped model reloads with the same outputs.",
+    transformers_class=LisaMockTransformerWrapper,
+)

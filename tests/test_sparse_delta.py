@@ -391,3 +391,48 @@ def test_fused_path_with_a_base_hook_is_the_exact_path():
     layer.base_layer.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     assert_all_equal(run_layer(layer, x, old=False), old)
     assert seen == [torch.Size([2, 5, 48])]  # the base module ran, with its hook
+
+
+# -- FSDP1 (use_orig_params=True): the unit's views of its flat parameter --------------------------------------------
+@pytest.fixture
+def gloo_process_group():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("base_trains", [False, True])
+def test_fsdp1_unit_fuses_like_the_unwrapped_model(gloo_process_group, base_trains):
+    """Inside an FSDP1 unit the base weight is a plain view of the flat parameter that requires a gradient (the
+    adapter's share of the unit does); the fused path used to take it for a trainable base and decline, so a sparse
+    adapter's outputs differed wrapped and unwrapped by the fused path's rounding (PEFT's TestPeftFsdpStateDict failed
+    on it). The original parameter's flag decides now: fused where the base is frozen, exact where it trains."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = sparse_model(tiny_llama).train()
+    fuse(model)
+    proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    proj.base_layer.weight.requires_grad_(base_trains)
+    fused = []
+    ok = proj._fused_forward_ok
+    proj._fused_forward_ok = lambda x: fused.append(ok(x)) or fused[-1]
+    ref_logits, ref_grads, ref_importance = run_model(model, IDS, old=False)
+    wrapped = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+    logits, grads, importance = run_model(wrapped, IDS, old=False)
+    assert fused == [not base_trains] * 2  # unwrapped, then inside the unit
+    assert torch.equal(logits, ref_logits)
+    grads = {n.replace("_fsdp_wrapped_module.", ""): g for n, g in grads.items()}
+    importance = {n.replace("_fsdp_wrapped_module.", ""): g for n, g in importance.items()}
+    assert grads.keys() == ref_grads.keys()
+    assert ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in grads) == base_trains
+    for name, grad in grads.items():
+        assert grad is not None and torch.equal(grad, ref_grads[name]), name
+    assert importance.keys() == ref_importance.keys() and importance
+    for name in importance:
+        assert torch.equal(importance[name], ref_importance[name]), name

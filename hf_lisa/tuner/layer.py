@@ -309,6 +309,29 @@ class LisaLayer(BaseTunerLayer):
             self.scaling[adapter] = scale * self.lisa_alpha[adapter] / self.r[adapter]
 
 
+def _declared_requires_grad(module: nn.Module, name: str) -> bool:
+    """``requires_grad`` of the parameter ``module.<name>`` as its owner set it.
+
+    Inside the forward of an FSDP1 unit with ``use_orig_params=True``, FSDP puts a plain-tensor view of its flat
+    parameter in each parameter's place; the view requires a gradient whenever any parameter of the unit does (the
+    adapter's, here), while the original ``nn.Parameter``, kept by the flat parameter, carries the owner's flag. The
+    fused path reads that flag, so a frozen base fuses there as it does unwrapped, and an adapter gives the same outputs
+    wrapped or not (PEFT's ``TestPeftFsdpStateDict``). Whatever is not recognised counts as trainable: the unfused
+    path, which is right for every base.
+    """
+    tensor = getattr(module, name)
+    if isinstance(tensor, nn.Parameter) or not tensor.requires_grad:
+        return tensor.requires_grad
+    flat = tensor._base
+    infos, originals = getattr(flat, "_param_infos", None), getattr(flat, "_params", None)
+    if infos is None or originals is None:
+        return True
+    for info, original in zip(infos, originals):
+        if info.module is module and info.param_name == name:
+            return original.requires_grad
+    return True
+
+
 class Linear(nn.Module, LisaLayer):
     """LISA on ``nn.Linear`` (``fan_in_fan_out=False``) or transformers' ``Conv1D`` (``fan_in_fan_out=True``)."""
 
@@ -386,8 +409,9 @@ class Linear(nn.Module, LisaLayer):
         Needs one active adapter, sparse, without dropout and with ``fuse_sparse_delta``; a frozen fp32/fp64
         ``nn.Linear`` or ``Conv1D`` base, called directly (no wrapper, no module hooks, no replaced ``forward``:
         DeepSpeed ZeRO-3, accelerate's offload and FSDP gather weights in hooks, which reading ``base.weight`` here
-        would bypass); plain tensors of one dtype and device; no autocast (it would run the fused matmul in bf16,
-        where ``W + Δ`` loses small deltas).
+        would bypass; an enclosing FSDP1 unit has gathered them already, and its views count as frozen by their
+        original parameters' flag, :func:`_declared_requires_grad`); plain tensors of one dtype and device; no
+        autocast (it would run the fused matmul in bf16, where ``W + Δ`` loses small deltas).
         """
         names = [name for name in self.active_adapters if name in self.lisa_A]
         if len(names) != 1 or names[0] not in self.lisa_mask or not self.lisa_fuse_sparse.get(names[0], False):
@@ -404,9 +428,11 @@ class Linear(nn.Module, LisaLayer):
         if any(getattr(nn.modules.module, f"_global_{k}_hooks") for k in kinds):
             return False
         params = [base.weight, self.lisa_A[name].weight, self.lisa_B[name].weight]
-        frozen = [base.weight] if base.bias is None else [base.weight, base.bias]
-        params += frozen[1:]
-        if any(p.requires_grad for p in frozen) or any(type(p) not in (nn.Parameter, torch.Tensor) for p in params):
+        frozen = ["weight"] if base.bias is None else ["weight", "bias"]
+        params += [base.bias] if base.bias is not None else []
+        if any(_declared_requires_grad(base, p) for p in frozen):
+            return False
+        if any(type(p) not in (nn.Parameter, torch.Tensor) for p in params):
             return False
         dtype, device = base.weight.dtype, base.weight.device
         if dtype not in (torch.float32, torch.float64) or device.type == "meta":
