@@ -75,20 +75,23 @@ def _unsupported(model_id: str, target: str, kind: str):
                         marks=pytest.mark.skip(reason=reason))
 
 
+# PEFT's tests train in plain loops, without LISA's schedule: the sparse cases keep the masks they are created with
+# (no calibration from |dL/dW|, no re-selection), which a LISA adapter needs to train without LisaAdapterCallback
+FIXED_MASKS = {"mask_init": "magnitude", "mask_update_interval": 0}
 LISA_TEST_CASES = [
     # dense: ρ = 0 is LoRA's forward
     ("MLP dense lin0", "MLP", LisaConfig, {"target_modules": ["lin0"], "r": 4, "lisa_alpha": 8}),
     # sparse masks
-    ("MLP block", "MLP", LisaConfig,
-     {"target_modules": ["lin0", "lin1"], "sparsity": 0.5, "mask_init": "magnitude"}),
-    ("MLP n:m 2:4", "MLP", LisaConfig, {"target_modules": ["lin1"], "sparsity": 0.5, "sparsity_structure": "n:m"}),
+    ("MLP block", "MLP", LisaConfig, {"target_modules": ["lin0", "lin1"], "sparsity": 0.5, **FIXED_MASKS}),
+    ("MLP n:m 2:4", "MLP", LisaConfig,
+     {"target_modules": ["lin1"], "sparsity": 0.5, "sparsity_structure": "n:m", **FIXED_MASKS}),
     # unstructured, on transformers' Conv1D (fan_in_fan_out) and nn.Linear
     ("EmbConv1D unstructured Conv1D", "EmbConv1D", LisaConfig,
      {"target_modules": ["conv1d", "lin0"], "sparsity": 0.4, "sparsity_structure": "unstructured",
-      "mask_init": "random"}),
+      "mask_init": "random", "mask_update_interval": 0}),
     # seed 000's mixed strategy in one config: sparse here, dense there
     ("MLP_LayerNorm mixed", "MLP_LayerNorm", LisaConfig,
-     {"target_modules": ["lin0", "lin1"], "sparsity": 0.5, "sparsity_pattern": {"lin1": 0.0}}),
+     {"target_modules": ["lin0", "lin1"], "sparsity": 0.5, "sparsity_pattern": {"lin1": 0.0}, **FIXED_MASKS}),
     # layer interpolation (seed 001): α/β per block of BlockMLP.layers, with a dense and a sparse adapter
     ("BlockMLP interpolation", "BlockMLP", LisaConfig,
      {"target_modules": ["lin0", "layers.1.0"], "sparsity": 0.5, "sparsity_pattern": {"lin0": 0.0},
@@ -114,12 +117,15 @@ LISA_MULTIPLE_ACTIVE_ADAPTERS_TEST_CASES = [
     ("LISA dense Different", "lisa", LisaConfig, {"target_modules": ["lin0"], "init_weights": False},
      {"target_modules": ["lin1"], "init_weights": False}),
     ("LISA block Same, other masks", "lisa", LisaConfig,
-     {"target_modules": ["lin0"], "sparsity": 0.5, "mask_init": "random", "init_weights": False},
-     {"target_modules": ["lin0"], "sparsity": 0.5, "mask_init": "random", "mask_seed": 1, "init_weights": False}),
+     {"target_modules": ["lin0"], "sparsity": 0.5, "mask_init": "random", "init_weights": False,
+      "mask_update_interval": 0},
+     {"target_modules": ["lin0"], "sparsity": 0.5, "mask_init": "random", "mask_seed": 1, "init_weights": False,
+      "mask_update_interval": 0}),
     ("LISA n:m + unstructured", "lisa", LisaConfig,
-     {"target_modules": ["lin1"], "sparsity": 0.5, "sparsity_structure": "n:m", "init_weights": False},
+     {"target_modules": ["lin1"], "sparsity": 0.5, "sparsity_structure": "n:m", "init_weights": False,
+      **FIXED_MASKS},
      {"target_modules": ["lin0", "lin1"], "sparsity": 0.3, "sparsity_structure": "unstructured",
-      "init_weights": False}),
+      "init_weights": False, **FIXED_MASKS}),
 ]
 
 # PEFT's tests that cannot apply to a LISA case, with the reason: test name -> (predicate on config_kwargs, reason)
@@ -153,6 +159,15 @@ NOT_APPLICABLE = {
     # PEFT's test_save_load_roundtrip_direct_injection recognises the refusal itself (it names shared state)
     "test_load_model_low_cpu_mem_usage": (_interpolation, _INTERPOLATION_NO_DIRECT_INJECTION),
 }
+# PEFT's tests that train in a plain loop, without LISA's schedule: layer interpolation needs it (the penalty's gradient
+# once per step, δ kept in its bound), so its first training forward refuses (tests/test_schedule_guard.py). These
+# copies assert that refusal for the interpolation case; its training under the callback is tests/test_trl.py and
+# tests/test_scheduler_adapter.py. Test name -> (predicate on config_kwargs, the refusal's message)
+REFUSED_WITHOUT_SCHEDULE = {
+    name: (_interpolation, r"without its schedule.*layer_interpolation=True")
+    for name in ("test_training_custom_models", "test_inference_safetensors", "test_only_params_are_updated",
+                 "test_parameters_after_loading_model", "test_disable_adapters")
+}
 # tests run on a subset of the cases (runtime), test name -> cases
 CASES_FOR = {"test_adapter_dtype_autocast": DTYPE_AUTOCAST_CASES}
 
@@ -178,6 +193,11 @@ def _lisa_copies(source_cls: type, replacements: dict[tuple[str, ...], list]) ->
             rule = NOT_APPLICABLE.get(__name)
             if rule is not None and rule[0](kwargs.get("config_kwargs") or {}):
                 pytest.skip(rule[1])
+            refusal = REFUSED_WITHOUT_SCHEDULE.get(__name)
+            if refusal is not None and refusal[0](kwargs.get("config_kwargs") or {}):
+                with pytest.raises(RuntimeError, match=refusal[1]):
+                    __fn(self, *args, **kwargs)
+                return None
             return __fn(self, *args, **kwargs)
 
         test.pytestmark = [

@@ -44,11 +44,14 @@ def _tiny_checkpoints(tmp_path_factory):
 
 CONFIGS = {
     # ρ = 0 (the LoRA-equivalent path), a sparse block mask, n:m and unstructured, all with non-zero B so that the
-    # merge / disable checks see real deltas
+    # merge / disable checks see real deltas. PEFT's loops train without LISA's schedule, so the masks stay fixed
+    # (mask_update_interval=0; B != 0, so "importance" has no calibration left to do): test_schedule_guard.py
     "dense": {"r": 4, "init_weights": False},
-    "block": {"r": 4, "sparsity": 0.5, "mask_init": "random", "init_weights": False},
-    "nm": {"r": 4, "sparsity": 0.5, "sparsity_structure": "n:m", "mask_init": "magnitude", "init_weights": False},
-    "unstructured": {"r": 4, "sparsity": 0.3, "sparsity_structure": "unstructured", "init_weights": False},
+    "block": {"r": 4, "sparsity": 0.5, "mask_init": "random", "init_weights": False, "mask_update_interval": 0},
+    "nm": {"r": 4, "sparsity": 0.5, "sparsity_structure": "n:m", "mask_init": "magnitude", "init_weights": False,
+           "mask_update_interval": 0},
+    "unstructured": {"r": 4, "sparsity": 0.3, "sparsity_structure": "unstructured", "init_weights": False,
+                     "mask_update_interval": 0},
 }
 MODELS = {"llama": {}, "gpt2": {"fan_in_fan_out": True}}
 CASES = [(m, c) for m in MODELS for c in CONFIGS]

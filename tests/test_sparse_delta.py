@@ -267,6 +267,7 @@ def assert_models_equal(new, old) -> None:
 
 def sparse_model(build, **config):
     config.setdefault("fuse_sparse_delta", False)  # the exact path; fuse() below turns the fused one on
+    config.setdefault("mask_update_interval", 0)  # fixed masks: trains without the schedule (test_schedule_guard.py)
     model = get_peft_model(build(), LisaConfig(r=4, sparsity=0.5, mask_init="random", **config))
     randomize_adapters(model)
     for layer in model.modules():

@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_lisa
 from hf_lisa.tuner.layer import LisaLayer
+from hf_lisa.tuner.schedule_guard import attach_schedule
 from hf_lisa.scheduler import SCHEDULER_STATE_VERSION, LayerwiseScheduler, MaskScheduler
 from hf_lisa.scheduler.optim_state import unwrap_optimizer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
@@ -166,6 +167,7 @@ def test_plain_forward_still_adds_the_penalty_to_the_loss_outside_the_callback(t
         model.base_model.lisa_interp_beta["default"].fill_(1.0)
     ids = torch.arange(8).reshape(1, 8)
     model.train()
+    attach_schedule(model, owner="a custom loop")  # it declares that it runs the schedule (test_schedule_guard.py)
     with_penalty = model(input_ids=ids, labels=ids).loss
     model.base_model.interpolation_penalty_in_loss = False
     without = model(input_ids=ids, labels=ids).loss

@@ -266,6 +266,19 @@ def test_sft_mask_calibration_leaves_no_trace_in_the_trainers_metrics(base_model
     assert logs["importance"] == logs["magnitude"]
 
 
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainer_without_the_callback_refuses_a_config_that_needs_the_schedule(base_model, tokenizer, tmp_path,
+                                                                                    kind):
+    # issue 22, item 5: with γ=1 of 4, every block's adapter used to move at every step, the schedule silently unused
+    trainer = make_trainer(kind, base_model(), tokenizer, trl_args(kind, tmp_path, False), callbacks=None,
+                           peft_config=adapter_config())
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"lisa_activated_layers=1 .*SFTTrainer\(\.\.\., peft_config=config, "
+                                           r"callbacks=\[LisaAdapterCallback\(\)\]\)"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
 def test_dpo_reference_log_probs_are_the_base_models_after_training(base_model, tokenizer, tmp_path):
     """Sparse masks and interpolation scalars must be off in the reference pass, as the adapters are."""
     config = adapter_config(sparsity=0.4, mask_init="magnitude", mask_update_interval=0, layer_interpolation=True)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import hf_lisa
 from hf_lisa import LisaConfig
 from hf_lisa.tuner.layer import LisaLayer
+from hf_lisa.tuner.schedule_guard import attach_schedule
 from tiny_models import randomize_adapters, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]])
@@ -241,6 +242,9 @@ def test_interpolation_init_clamp_penalty_and_merge_refusal():
     # the penalty joins the training loss
     # the penalty joins the loss in training mode only (no dropout in the tiny model, so the rest is identical)
     model.train()
+    with pytest.raises(RuntimeError, match="layer_interpolation=True"):  # no schedule runs (test_schedule_guard.py)
+        model(input_ids=IDS, labels=IDS)
+    attach_schedule(model, owner="a custom loop")  # a loop that keeps the in-loss penalty and projects δ itself
     with_penalty = model(input_ids=IDS, labels=IDS).loss
     model.eval()
     plain = model(input_ids=IDS, labels=IDS).loss

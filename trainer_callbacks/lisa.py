@@ -38,6 +38,7 @@ import torch
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
 from hf_lisa.tuner.config import _is_int, check_lisa_settings
+from hf_lisa.tuner.schedule_guard import attach_schedule, detach_schedule, settings_needing_schedule
 
 from .base import _LisaCallbackBase
 from .calibration import calibrate_due_masks
@@ -315,10 +316,16 @@ class LisaAdapterCallback(_LisaCallbackBase):
             mask_scheduler = None
         tuner = tuner_of(model)
         interpolation = tuner.interpolation_parameters() if tuner is not None else []
-        if layer_scheduler is None and mask_scheduler is None and not interpolation:
+        if not settings_needing_schedule(  # the rule that refuses to train without this callback
+            activated_layers=gamma, num_blocks=layer_scheduler and len(layer_scheduler.block_names),
+            sparse=mask_scheduler is not None, uncalibrated=bool(mask_scheduler and not mask_scheduler.calibrated),
+            mask_update_interval=mask_scheduler.update_interval if mask_scheduler else 0,
+            layer_interpolation=bool(interpolation),
+        ):
             warnings.warn(
-                "LisaAdapterCallback has nothing to schedule: lisa_activated_layers=0, no adapter has sparsity > 0 "
-                "and no layer interpolation. The adapters train like LoRA; the callback can be removed."
+                "LisaAdapterCallback has nothing to schedule: no block sampling (γ=0 or every block), no sparse mask "
+                "to calibrate or re-select, no layer interpolation. The adapters train like LoRA; the callback can be "
+                "removed."
             )
         check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching")
         self._check_configured(args)
@@ -361,6 +368,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         self.mask_scheduler = mask_scheduler
         self.resume_state = None
         self._global_step = state.global_step
+        attach_schedule(model, self)  # lets the tuner's guard admit training forwards (hf_lisa.tuner.schedule_guard)
 
     def _probe_loss(self) -> Optional[float]:
         """Loss on a fixed batch, in eval mode: the function before/after a mask change, without dropout noise.
@@ -431,4 +439,6 @@ class LisaAdapterCallback(_LisaCallbackBase):
         super().on_train_end(args, state, control, **kwargs)
         if self._tuner is not None:
             self._tuner.interpolation_penalty_in_loss = True
+        if self._model is not None:
+            detach_schedule(self._model, self)
 

@@ -195,7 +195,8 @@ class LisaConfig(PeftConfig):
         interpolation_delta_bound (`float`, defaults to `5.0`): `α = exp(δ)` with δ kept within ±bound (the
             scheduler callback projects δ back after every optimizer step, so its gradient stays live).
         interpolation_beta_l2 (`float`, defaults to `0.01`): λ of the penalty λ·Σβ², applied once per optimizer step
-            as the gradient 2λβ by the scheduler callback (added to the loss in a plain training loop).
+            as the gradient 2λβ by the scheduler callback (added to the loss in a custom loop that declares the
+            schedule, ``hf_lisa.tuner.schedule_guard.attach_schedule``).
         lisa_activated_layers (`int`, defaults to `0`): γ, blocks whose adapters train at a time; 0 trains all.
         lisa_interval_steps (`int`, defaults to `20`): K, optimizer steps between block switches.
         lisa_sampling (`str`, defaults to `"uniform"`): `"uniform"`, `"importance"` or `"cyclic"`.

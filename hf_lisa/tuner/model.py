@@ -14,6 +14,7 @@ from ..blocks import find_blocks
 from .bnb import keep_4bit_layers_trainable, quantized_layer_class
 from .config import LisaConfig
 from .layer import LisaLayer, Linear
+from .schedule_guard import ScheduleGuard
 
 # The source documents adapt the attention projections (seed 000: q/k/v); architectures not listed fall back to
 # PEFT's LoRA defaults.
@@ -85,7 +86,7 @@ class LisaModel(BaseTuner):
     prefix: str = "lisa_"
     tuner_layer_cls = LisaLayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LISA_TARGET_MODULES_MAPPING
-    #: whether the β penalty is added to ``outputs.loss`` (a plain training loop). The scheduler callback turns this
+    #: whether the β penalty is added to ``outputs.loss`` (a custom loop). The scheduler callback turns this
     #: off and applies the penalty's gradient itself, once per optimizer step: trainers that compute their own loss
     #: (TRL, label smoothing) never see ``outputs.loss``, and a loss term is multiplied by the number of micro-batches
     interpolation_penalty_in_loss: bool = True
@@ -101,6 +102,9 @@ class LisaModel(BaseTuner):
             self.lisa_interp_beta = nn.ParameterDict({})
             self._interp_hooks: list = []
             self._interp_enabled = True
+            # refuses a training forward of an adapter whose settings need the schedule while none runs it
+            self._schedule_guard = ScheduleGuard(self)
+            self._schedule_guard.install(model)
 
     # -- injection -------------------------------------------------------------------------------------------------------
     def _create_and_replace(self, lisa_config, adapter_name, target, target_name, parent, current_key, **kwargs):
@@ -310,6 +314,7 @@ class LisaModel(BaseTuner):
             merge=merge, progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names
         )
         self._remove_interp_hooks()
+        self._schedule_guard.remove()
         return model
 
     # -- introspection -------------------------------------------------------------------------------------------------

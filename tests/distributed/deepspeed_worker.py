@@ -58,6 +58,7 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
 
     import hf_lisa
     from hf_lisa.tuner.layer import LisaLayer
+    from hf_lisa.tuner.schedule_guard import attach_schedule
     from hf_lisa.scheduler import MaskScheduler
 
     if kind == "lora":
@@ -69,6 +70,8 @@ def train_adapter(kind: str, stage: int, rank: int) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config(stage))
     masks = MaskScheduler(model) if kind == "lisa" else None
+    if masks is not None:  # this loop runs the mask schedule itself: declare it (hf_lisa.tuner.schedule_guard)
+        attach_schedule(model, masks)
     layers = [m for m in model.modules() if isinstance(m, LisaLayer)]
     initial_masks = [m.lisa_mask["default"].clone() for m in layers]
     before = snapshot(trainable, stage)
