@@ -16,7 +16,7 @@ from hf_lisa import LisaConfig
 from hf_lisa.train import METHODS, LisaArguments, parse_args
 from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, _NOT_OPTIONS, LISA_CONFIG_OPTIONS, lisa_config_kwargs
 from hf_lisa.train.methods import OPTION_METHODS
-from hf_lisa.tuner.config import lisa_config_fields
+from hf_lisa.tuner.config import LAYER_SCHEDULE_DEFAULTS, lisa_config_fields
 
 #: a valid value, other than the default, of every option (as command-line tokens)
 NON_DEFAULT: dict[str, list[str]] = {
@@ -81,6 +81,8 @@ def test_the_table_and_this_test_cover_every_option():
 @pytest.mark.parametrize("option", OPTIONS)
 def test_method_option_matrix(tmp_path, method, option):
     argv = ["--method", method, f"--{option}", *NON_DEFAULT[option]]
+    if method in OPTION_METHODS[option] and option in LAYER_SCHEDULE_DEFAULTS:
+        argv += ["--lisa_activated_layers", "1"]  # they take effect only when blocks are sampled
     if method in OPTION_METHODS[option]:
         *_, lisa_args, _ = _parse(tmp_path, *argv)
         assert lisa_args.method == method and getattr(lisa_args, option) != _default(option)

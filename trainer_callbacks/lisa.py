@@ -37,7 +37,7 @@ import torch
 
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
-from hf_lisa.tuner.config import _is_int, check_lisa_settings
+from hf_lisa.tuner.config import FULL_LISA_ACTIVATED_LAYERS, _is_int, check_lisa_settings
 from hf_lisa.tuner.schedule_guard import attach_schedule, detach_schedule, settings_needing_schedule
 
 from .base import _LisaCallbackBase
@@ -91,7 +91,7 @@ class LisaCallback(_LisaCallbackBase):
 
     def __init__(
         self,
-        activated_layers: int = 2,
+        activated_layers: int = FULL_LISA_ACTIVATED_LAYERS,
         interval_steps: int = 20,
         sampling: str = "uniform",
         seed: int = 42,
@@ -153,11 +153,18 @@ class LisaCallback(_LisaCallbackBase):
         check_engine(args, model, optimizer, scheduler, form="full-parameter LISA")
         self._check_configured(args)
         self._check_gradients_reachable(optimizer, ["importance sampling" if self.sampling == "importance" else ""])
+        names = {id(p): n for n, p in model.named_parameters()}
         if scheduler.head_params:
-            names = {id(p): n for n, p in model.named_parameters()}
             logger.info(
                 "LISA: task-head parameters outside the blocks train throughout: %s (always_trainable narrows this).",
                 ", ".join(names.get(id(p), "?") for p in scheduler.head_params),
+            )
+        if scheduler.frozen_params:
+            logger.warning(
+                "LISA: %d parameter(s) outside the blocks never train, since always_trainable=%s does not name them: "
+                "%s. Add 'heads' or their module names to always_trainable to train them.",
+                len(scheduler.frozen_params), list(self.always_trainable or ()),
+                ", ".join(names.get(id(p), "?") for p in scheduler.frozen_params),
             )
         stored = self._stored_state(args, state)
         if stored is not None:
@@ -167,6 +174,18 @@ class LisaCallback(_LisaCallbackBase):
         self.layer_scheduler = scheduler
         self.resume_state = None
         self._global_step = state.global_step
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """The schedule's settings as this callback runs them (the names of ``training_summary.json``'s ``lisa``)."""
+        return {
+            "activated_layers": self.activated_layers,
+            "interval_steps": self.interval_steps,
+            "sampling": self.sampling,
+            "optimizer_state_policy": self.optimizer_state_policy,
+            "always_trainable": [] if self.always_trainable is None else list(self.always_trainable),
+            "layers_attribute": self.layers_attribute,
+            "seed": self.seed,
+        }
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self._begin_step()
@@ -178,8 +197,9 @@ class LisaAdapterCallback(_LisaCallbackBase):
     """LISA scheduling for the adapters of a ``PeftModel`` with a ``LisaConfig``.
 
     * **Layerwise sampling** (``lisa_activated_layers`` = γ > 0): only the ``lisa_*`` parameters of γ sampled blocks
-      train in each period of ``lisa_interval_steps`` steps; layer-interpolation scalars and ``modules_to_save`` train
-      throughout. γ = 0 trains every adapter (no sampling).
+      train in each period of ``lisa_interval_steps`` steps; layer-interpolation scalars and ``modules_to_save`` outside
+      the blocks (task heads) train throughout; ``modules_to_save`` inside a block train with their block, like its
+      adapters (named in the log at train begin). γ = 0 trains every adapter (no sampling).
     * **Sparse masks** (adapters with ``sparsity > 0``, see :class:`hf_lisa.scheduler.MaskScheduler`): a fresh
       adapter's first masks (``mask_init="importance"``, ``B = 0``) come from ``|∂L/∂W|`` through the trainer's own
       loss, gathered before the first optimizer step over ``importance_steps`` steps' worth of extra passes that
@@ -292,6 +312,13 @@ class LisaAdapterCallback(_LisaCallbackBase):
         if self.layer_scheduler is not None:  # a previous train() on this callback: undo its freezing first
             self.layer_scheduler.restore_trainable()
         gamma = config.lisa_activated_layers if self.activated_layers is None else self.activated_layers
+        if gamma == 0:  # nothing is sampled: the layer schedule's settings given here would change nothing
+            given = {"lisa_interval_steps": self.interval_steps, "lisa_sampling": self.sampling,
+                     "lisa_optimizer_state_policy": self.optimizer_state_policy}
+            check_lisa_settings(
+                {"lisa_activated_layers": 0, **{name: value for name, value in given.items() if value is not None}},
+                where="LisaAdapterCallback ", arguments=_SCHEDULE_ARGUMENTS,
+            )
         layer_scheduler = None
         if gamma > 0:  # γ <= N is checked where the blocks are known: the sampler
             layer_scheduler = LayerwiseScheduler.for_adapter(
@@ -303,6 +330,13 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 strategy=self.sampling,
                 optimizer_state_policy=self.optimizer_state_policy,
             )
+        if layer_scheduler is not None:
+            in_blocks = [name for name, p in model.named_parameters()
+                         if ".modules_to_save." in name and p.requires_grad
+                         and layer_scheduler.index.block_of(name) is not None]
+            if in_blocks:
+                logger.info("LISA: modules_to_save inside the blocks train with their block, not throughout: %s.",
+                            ", ".join(in_blocks))
         mask_scheduler = MaskScheduler(
             model,
             adapter_name=self.adapter_name,
@@ -369,6 +403,27 @@ class LisaAdapterCallback(_LisaCallbackBase):
         self.resume_state = None
         self._global_step = state.global_step
         attach_schedule(model, self)  # lets the tuner's guard admit training forwards (hf_lisa.tuner.schedule_guard)
+
+    def resolved_settings(self, model=None) -> dict[str, Any]:
+        """The schedule's settings as this callback runs them on ``model``'s adapter (the one it trained last by
+        default): the ``LisaConfig``'s values with this callback's overrides, named as in ``training_summary.json``'s
+        ``lisa``."""
+        config = lisa_config_of(model if model is not None else self._model, self.adapter_name)
+
+        def pick(override, name):
+            return getattr(config, name) if override is None else override
+
+        return {
+            "activated_layers": pick(self.activated_layers, "lisa_activated_layers"),
+            "interval_steps": pick(self.interval_steps, "lisa_interval_steps"),
+            "sampling": pick(self.sampling, "lisa_sampling"),
+            "optimizer_state_policy": self.optimizer_state_policy,
+            "layers_attribute": config.lisa_layers_attribute,
+            "mask_update_interval": pick(self.mask_update_interval, "mask_update_interval"),
+            "importance_steps": pick(self.importance_steps, "importance_steps"),
+            "new_block_bonus": pick(self.new_block_bonus, "new_block_bonus"),
+            "seed": self.seed,
+        }
 
     def _probe_loss(self) -> Optional[float]:
         """Loss on a fixed batch, in eval mode: the function before/after a mask change, without dropout noise.

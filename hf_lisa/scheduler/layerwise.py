@@ -44,10 +44,11 @@ class LayerwiseScheduler:
     belong to the always-trainable set, and are frozen for the whole run otherwise.
 
     * **Full-parameter form** (plain transformers model): every parameter is a candidate; ``always_trainable`` picks
-      E+H+norm by default.
+      E+H+final norm and task heads by default (:data:`DEFAULT_ALWAYS_TRAINABLE`).
     * **Adapter form** (a ``PeftModel`` with ``LisaConfig``, see :meth:`for_adapter`): the candidates are the adapter's
       parameters; ``always_trainable=None`` keeps every non-block candidate (layer-interpolation scalars,
-      ``modules_to_save``) trainable.
+      ``modules_to_save`` outside the blocks) trainable; a ``modules_to_save`` copy inside a block is a candidate of
+      that block and trains with it.
 
     The blocks come from the model's :class:`~hf_lisa.scheduler.active_set.BlockIndex` (``index``, the object every
     other consumer reads too), and the current blocks are held by :attr:`active_set`: the sampler only proposes.

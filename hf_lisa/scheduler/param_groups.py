@@ -65,6 +65,10 @@ def assign_param_groups(
     return dict(index.groups), index.num_blocks
 
 
+def _is_interpolation_scalar(name: str) -> bool:
+    return any(part in ("lisa_interp_delta", "lisa_interp_beta") for part in name.split("."))
+
+
 def layerwise_lr_decay_param_groups(
     model: nn.Module,
     lr: float,
@@ -81,6 +85,7 @@ def layerwise_lr_decay_param_groups(
         decay: the per-block factor ``d`` in ``(0, 1]``.
         weight_decay: weight decay of the parameters not in ``no_decay_names``.
         no_decay_names: parameter names without weight decay (the Trainer's biases and norms); `None` decays all.
+            LISA's layer-interpolation scalars (``lisa_interp_delta``/``lisa_interp_beta``) never decay.
         layers_attribute: dotted path of the block list, overriding discovery.
 
     Returns:
@@ -99,7 +104,8 @@ def layerwise_lr_decay_param_groups(
             continue
         seen.add(id(param))
         group = index.groups[name]
-        decays = no_decay_names is None or name not in no_decay
+        # LISA's interpolation scalars δ and β never decay (δ = 0 is α = 1; β has its own L2 penalty)
+        decays = (no_decay_names is None or name not in no_decay) and not _is_interpolation_scalar(name)
         key = group if decays else f"{group}/no_decay"
         if key not in grouped:
             grouped[key] = {

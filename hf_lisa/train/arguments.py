@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import UsageError
-from ..tuner.config import LisaConfig, lisa_config_fields
+from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
+from ..tuner.config import FULL_LISA_ACTIVATED_LAYERS, LisaConfig, lisa_config_fields
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from .memory import check_memory_options, memory_fields
 from .quantization import check_quantization, quantization_fields
@@ -25,11 +26,7 @@ logger = logging.getLogger("hf_lisa.train")
 
 
 METHODS = ("lisa", "lisa-adapter", "lora", "dora", "full")
-
-
 ADAPTER_METHODS = ("lisa-adapter", "lora", "dora")
-
-
 PUSH_MODES = ("adapter", "merged")
 
 
@@ -201,10 +198,11 @@ class _MethodArguments:
         },
     )
     lisa_always_trainable: list[str] = field(
-        default_factory=lambda: ["embeddings", "lm_head", "norm"],
+        default_factory=lambda: list(DEFAULT_ALWAYS_TRAINABLE),
         metadata={
-            "help": "What trains throughout in full-parameter LISA (E+H+norm by default): keywords 'embeddings', "
-            "'lm_head', 'norm' or module names; 'none' trains only the sampled blocks."
+            "help": "What trains throughout in full-parameter LISA (LisaCallback's default: E+H+final norm and task "
+            "heads): keywords 'embeddings', 'lm_head', 'norm', 'heads' (every other parameter outside the blocks) "
+            "or module names; 'none' trains only the sampled blocks."
         },
     )
     lisa_optimizer_state_policy: str = field(
@@ -300,9 +298,11 @@ _COMMAND_LINE_FORMS: dict[str, _CommandLineForm] = {
         ("rank_pattern", "alpha_pattern", "sparsity_pattern"),
         _CommandLineForm(Optional[str], None, _json_dict, " On the command line a JSON object (a mapping in YAML)."),
     ),
-    # command-line defaults of hf-lisa 0.1: LoRA's usual alpha = 2r, and γ = 2 (the paper's) for --method lisa
-    "lisa_alpha": _CommandLineForm(float, 16),
-    "lisa_activated_layers": _CommandLineForm(int, 2, note=" Full-parameter LISA needs 1 or more."),
+    # LisaConfig's own default, as a number (0.5 parses); γ's depends on the form (methods.resolve_method_defaults)
+    "lisa_alpha": _CommandLineForm(float, LisaConfig.__dataclass_fields__["lisa_alpha"].default),
+    "lisa_activated_layers": _CommandLineForm(Optional[int], None, note=(
+        f" Default: {FULL_LISA_ACTIVATED_LAYERS} for --method lisa (LisaCallback's; it needs 1 or more), "
+        f"{LisaConfig.__dataclass_fields__['lisa_activated_layers'].default} for --method lisa-adapter (LisaConfig's).")),
 }
 #: LisaConfig fields that are not options, and why
 _NOT_OPTIONS = {"fan_in_fan_out": "set automatically for Conv1D targets", "init_weights": "False is for tests only"}
@@ -441,7 +441,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
     """Check what the dataclasses cannot check alone: the method against its options (:func:`check_method_options`),
     the LISA settings by LisaConfig's rules, and the combinations; errors name the option and what is allowed."""
     from ..tuner.config import check_lisa_settings
-    from .methods import OPTION_METHODS, check_method_options  # methods.py imports this module
+    from .methods import OPTION_METHODS, check_method_options, resolve_method_defaults  # methods.py imports this
 
     def need(cond: bool, message: str) -> None:
         if not cond:
@@ -466,6 +466,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         lisa_args.push_mode in (None, *PUSH_MODES),
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
+    resolve_method_defaults(lisa_args)
     check_method_options(lisa_args)
     check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
     check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses

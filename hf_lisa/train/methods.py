@@ -13,9 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arguments import ADAPTER_METHODS, LISA_CONFIG_OPTIONS, METHODS, LisaArguments, ModelArguments, lisa_config_kwargs
+from .arguments import (
+    ADAPTER_METHODS,
+    LISA_CONFIG_OPTIONS,
+    METHODS,
+    LisaArguments,
+    ModelArguments,
+    lisa_config_kwargs,
+)
 from .memory import STEP_IN_BACKWARD_METHODS
 from .quantization import bnb_config
+from ..tuner.config import FULL_LISA_ACTIVATED_LAYERS, LisaConfig
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -107,13 +115,36 @@ OPTION_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
+def method_defaults(method: str) -> dict[str, Any]:
+    """The defaults of the settings whose default depends on the method, from the Python API they match:
+    ``--method lisa`` takes ``LisaCallback``'s γ (:data:`~hf_lisa.tuner.config.FULL_LISA_ACTIVATED_LAYERS`),
+    ``--method lisa-adapter`` ``LisaConfig``'s."""
+    if method == "lisa":
+        return {"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS}
+    if method == "lisa-adapter":
+        return {"lisa_activated_layers": LisaConfig.__dataclass_fields__["lisa_activated_layers"].default}
+    return {}
+
+
+def resolve_method_defaults(lisa_args) -> None:
+    """Fill the settings left unset (``None``) with :func:`method_defaults` of ``lisa_args.method``."""
+    for name, default in method_defaults(lisa_args.method).items():
+        if getattr(lisa_args, name) is None:
+            setattr(lisa_args, name, default)
+
+
 def given_options(lisa_args) -> dict[str, Any]:
-    """The options of ``lisa_args`` (``method`` aside) whose value differs from their default."""
+    """The options of ``lisa_args`` (``method`` aside) whose value differs from their default.
+
+    A setting whose default depends on the method (γ: 2 for ``lisa``, 0 for ``lisa-adapter``) is not given at any of
+    those defaults, so that a config file shared by several methods may state them."""
+    per_method = [method_defaults(method) for method in METHODS]
     given = {}
     for f in dataclasses.fields(lisa_args):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        defaults = [default, *(d[f.name] for d in per_method if f.name in d)]
         value = getattr(lisa_args, f.name)
-        if f.name != "method" and value != default:
+        if f.name != "method" and value not in defaults:
             given[f.name] = value
     return given
 

@@ -9,7 +9,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from torch import nn
 
@@ -78,7 +78,16 @@ def trainable_summary(model: nn.Module, layers_attribute: Optional[str] = None) 
     }
 
 
-def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[str], store: dict):
+def never_trained(model: nn.Module, schedules: Sequence) -> list[str]:
+    """Names of the parameters that the LISA callbacks in ``schedules`` will never train (outside the blocks and not in
+    ``always_trainable``), read after their ``on_train_begin``."""
+    frozen = {id(p) for cb in schedules for p in (getattr(getattr(cb, "layer_scheduler", None), "frozen_params", None)
+                                                  or ())}
+    return [name for name, p in model.named_parameters() if id(p) in frozen]
+
+
+def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[str], store: dict,
+                      schedules: Sequence = ()):
     from transformers import TrainerCallback
 
     class StartSummaryCallback(TrainerCallback):
@@ -96,6 +105,12 @@ def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[s
                 f"{_fmt_count(groups['blocks'])}, head/other {_fmt_count(groups['other'])}) | active blocks "
                 f"{len(blocks)}/{info['num_blocks']} [{shown}] | output_dir={output_dir}"
             )
+            never = never_trained(model, schedules)
+            store["never_trained"] = never
+            if never:
+                shown = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
+                line += (f"\n[{SUMMARY_PREFIX}] never trains (outside the blocks, not in --lisa_always_trainable): "
+                         f"{shown}")
             if state.is_world_process_zero:
                 print(line, flush=True)
 

@@ -150,7 +150,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     )
     start_info: dict = {}
     callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
-                                                          lisa_args.lisa_layers_attribute, start_info)]
+                                                          lisa_args.lisa_layers_attribute, start_info,
+                                                          schedules=scheduling_callbacks)]
     eval_dataset = tokenized.get("validation")
     trainer = LisaTrainer(
         model=model,

@@ -15,6 +15,11 @@ MASK_INITS = ("importance", "magnitude", "random", "dense")
 LAYER_SAMPLING_STRATEGIES = ("uniform", "importance", "cyclic")
 #: what happens to the optimizer state of blocks that leave the active set (see hf_lisa.scheduler.optim_state)
 OPTIMIZER_STATE_POLICIES = ("drop", "keep")
+#: γ of full-parameter LISA (``LisaCallback``, ``hf-lisa train --method lisa``): the paper's and LMFlow's 2. The adapter
+#: form's default is ``LisaConfig.lisa_activated_layers`` (0: every block's adapter trains and no schedule is needed).
+FULL_LISA_ACTIVATED_LAYERS = 2
+#: the layer schedule's settings that only take effect when blocks are sampled (γ >= 1), with their defaults
+LAYER_SCHEDULE_DEFAULTS = {"lisa_interval_steps": 20, "lisa_sampling": "uniform", "lisa_optimizer_state_policy": "drop"}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -144,6 +149,14 @@ def check_lisa_settings(
         if num_blocks is not None:
             need(gamma <= num_blocks, "lisa_activated_layers", gamma, allowed,
                  problem=f"is larger than the number of transformer blocks ({num_blocks})")
+        if gamma == 0:  # no block is sampled: the layer schedule's settings would change nothing
+            for name, default in LAYER_SCHEDULE_DEFAULTS.items():
+                if name in values and values[name] != default:
+                    raise ValueError(
+                        f"{label(name)}={values[name]!r} has no effect with {label('lisa_activated_layers')}=0 (every "
+                        f"block trains, none is sampled); allowed with γ=0: its default {default!r}. Set "
+                        "lisa_activated_layers >= 1 to sample blocks, or leave the setting out."
+                    )
 
 
 def lisa_config_fields() -> list[dataclasses.Field]:
@@ -197,7 +210,10 @@ class LisaConfig(PeftConfig):
         interpolation_beta_l2 (`float`, defaults to `0.01`): λ of the penalty λ·Σβ², applied once per optimizer step
             as the gradient 2λβ by the scheduler callback (added to the loss in a custom loop that declares the
             schedule, ``hf_lisa.tuner.schedule_guard.attach_schedule``).
-        lisa_activated_layers (`int`, defaults to `0`): γ, blocks whose adapters train at a time; 0 trains all.
+        lisa_activated_layers (`int`, defaults to `0`): γ, blocks whose adapters train at a time; 0 trains all, like
+            LoRA, and needs no schedule (full-parameter LISA's default is 2, ``FULL_LISA_ACTIVATED_LAYERS``). γ >= 1
+            needs ``LisaAdapterCallback`` in the Trainer; with γ = 0 the schedule's other settings must keep their
+            defaults.
         lisa_interval_steps (`int`, defaults to `20`): K, optimizer steps between block switches.
         lisa_sampling (`str`, defaults to `"uniform"`): `"uniform"`, `"importance"` or `"cyclic"`.
         lisa_layers_attribute (`str`, *optional*): dotted path of the block list, overriding discovery.
@@ -314,14 +330,17 @@ class LisaConfig(PeftConfig):
         default=0,
         metadata={
             "help": "gamma: number of blocks trained at a time (their adapters, in the adapter form); 0 trains every "
-            "block's adapter."
+            "block's adapter, like LoRA, and needs no schedule (full-parameter LISA defaults to 2). With 0, "
+            "lisa_interval_steps and lisa_sampling keep their defaults."
         },
     )
     lisa_interval_steps: int = field(
-        default=20, metadata={"help": "K: optimizer steps between two block switches."}
+        default=LAYER_SCHEDULE_DEFAULTS["lisa_interval_steps"],
+        metadata={"help": "K: optimizer steps between two block switches."},
     )
     lisa_sampling: Literal["uniform", "importance", "cyclic"] = field(
-        default="uniform", metadata={"help": f"Block sampling strategy, one of {LAYER_SAMPLING_STRATEGIES}."}
+        default=LAYER_SCHEDULE_DEFAULTS["lisa_sampling"],
+        metadata={"help": f"Block sampling strategy, one of {LAYER_SAMPLING_STRATEGIES}."},
     )
     lisa_layers_attribute: Optional[str] = field(
         default=None, metadata={"help": "Dotted path of the block list (e.g. 'model.layers'), overriding discovery."}
