@@ -25,6 +25,8 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+from .errors import RunError
+
 COMMANDS = ("train", "demo", "push", "export", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
@@ -250,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             message = f"interrupted. {_resume_hint(args)}".rstrip()
         else:
             message = f"error: {err}"
-            if not isinstance(err, (ValueError, OSError)) or not str(err):  # not a message written for the user
+            if not isinstance(err, (ValueError, OSError, RunError)) or not str(err):  # not written for the user
                 message = f"error: {type(err).__name__}: {err}" + ("" if debug else " (--debug shows the traceback)")
         print(f"{prog}: {message}", file=sys.stderr, flush=True)
         return status

@@ -23,3 +23,14 @@ class UsageError(ValueError):
     weight is loaded where the mistake can be found that early. It is a ``ValueError``, so code that catches
     ``ValueError`` around ``parse_args`` or ``run`` keeps working.
     """
+
+
+class RunError(RuntimeError):
+    """A failure while running whose message is written for the user: the ``hf-lisa`` command ends it with that one
+    message and exit status 1 (see :func:`hf_lisa.cli.main`), with no traceback hint."""
+
+
+class NothingTrainedError(RunError):
+    """The first optimizer steps of a run (with a learning rate above 0, updates not deliberately withheld) changed
+    no trainable parameter, or every gradient was zero or absent: the run would train nothing. Raised by
+    :class:`hf_lisa.trainer_callbacks.progress.TrainingProgressGuard`, out of ``trainer.train()``."""

@@ -181,10 +181,8 @@ def test_python_api_refusals(tiny_llama, token_dataset, training_args):
     with pytest.raises(ValueError, match="importance sampling"):
         trainer.train()
     sgd = training_args(max_steps=1, max_grad_norm=0.0, optim="sgd")
-    trainer = LisaTrainer(model=tiny_llama(seed=0), args=sgd, train_dataset=token_dataset(),
-                          optim_step_in_backward=True)
-    with pytest.raises(ValueError, match="optim='sgd'"):
-        trainer.train()
+    with pytest.raises(ValueError, match="optim='sgd'"):  # as the Trainer is built (test_lisa_trainer_refuses_...)
+        LisaTrainer(model=tiny_llama(seed=0), args=sgd, train_dataset=token_dataset(), optim_step_in_backward=True)
 
 
 def test_grad_norm_counts_the_gradients_applied_and_pending():
@@ -197,3 +195,60 @@ def test_grad_norm_counts_the_gradients_applied_and_pending():
     optimizer.step()
     assert b.grad is None and optimizer.grad_norm() == 0.0
     assert optimizer.state[b]["step"] == 1 and optimizer.state[a]["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [({}, r"optim_step_in_backward=True .*max_grad_norm=1\.0 \(TrainingArguments' default\).*"
+          r"TrainingArguments\(max_grad_norm=0\)"),
+     ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 2},
+      r"gradient_accumulation_steps=2 .*TrainingArguments\(gradient_accumulation_steps=1\)"),
+     ({"max_grad_norm": 0.0, "optim": "sgd"}, r"optim='sgd' .*allowed: adamw_torch")],
+    ids=["clipping-by-default", "accumulation", "optim"],
+)
+def test_lisa_trainer_refuses_what_the_command_refuses(tiny_llama, token_dataset, training_args, overrides, match):
+    """The Python API runs the command's rules as the Trainer is built, naming the setting to change (the default
+    max_grad_norm=1.0 included): before, clipping was dropped in silence and the logged grad_norm was 0.0."""
+    with pytest.raises(UsageError, match=match):
+        LisaTrainer(model=tiny_llama(seed=0), args=training_args(max_steps=2, **overrides),
+                    train_dataset=token_dataset(), optim_step_in_backward=True)
+
+
+def test_arguments_changed_after_construction_are_refused_at_train(tiny_llama, token_dataset, training_args):
+    model = tiny_llama(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = LisaTrainer(model=model, args=training_args(max_steps=2, max_grad_norm=0.0),
+                          train_dataset=token_dataset(), optim_step_in_backward=True)
+    trainer.args.max_grad_norm = 0.5
+    with pytest.raises(UsageError, match=r"max_grad_norm=0\.5 "):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before any step
+
+
+def test_plain_trainer_given_an_in_backward_optimizer(tiny_llama, token_dataset, training_args):
+    """A plain ``transformers.Trainer`` handed ``AdamWInBackward``: with clipping it is refused by the callbacks
+    before any step; without, the logged ``grad_norm`` (and the monitor's) is the norm the hooks measured, not the
+    0.0 the Trainer computes over gradients that are gone."""
+    from transformers import Trainer
+
+    def build(max_grad_norm, fused):
+        model = tiny_llama(seed=0, tie=True)
+        args = training_args(max_steps=3, max_grad_norm=max_grad_norm)
+        optimizer = (AdamWInBackward if fused else torch.optim.AdamW)(model.parameters(), lr=args.learning_rate)
+        trainer = Trainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None),
+                          callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=3)])
+        return trainer, TrainingMonitorCallback().attach(trainer), model
+
+    trainer, _, model = build(1.0, fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UsageError, match=r"max_grad_norm=1\.0 .*TrainingArguments\(max_grad_norm=0\)"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    fused, _, _ = build(0.0, fused=True)
+    fused.train()
+    plain, _, _ = build(0.0, fused=False)
+    plain.train()
+    for key in ("grad_norm", "monitor/grad_norm"):
+        got, expected = _logged(fused, key), _logged(plain, key)
+        assert len(got) == 3 and all(v > 0 for v in got), (key, got)
+        assert got == pytest.approx(expected, rel=1e-5), key

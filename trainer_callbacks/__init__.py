@@ -6,7 +6,7 @@
 The decisions themselves live in :mod:`hf_lisa.scheduler`; see ``docs/scheduling.md``. Modules: :mod:`.lisa` (the two
 callbacks), :mod:`.base` (what they share), :mod:`.setup` (finding and preparing their Trainer, the run's engine
 check), :mod:`.state` (checkpoint and resume of the schedule), :mod:`.monitoring` (``TrainingMonitorCallback``),
-:mod:`.ordering` (callback order).
+:mod:`.ordering` (callback order), :mod:`.progress` (``TrainingProgressGuard``: a run that trains nothing stops).
 :func:`check_lisa_training_setup` is a public alias of :func:`hf_lisa.distributed.check_layer_switching_supported`.
 """
 
@@ -18,6 +18,7 @@ if __name__ == "trainer_callbacks":  # the 0.1 top-level name: warn and hand ove
     hand_over(__name__)
 else:
     from .lisa import LisaAdapterCallback, LisaCallback
+    from .progress import TrainingProgressGuard
     from .setup import check_lisa_training_setup
 
-    __all__ = ["LisaAdapterCallback", "LisaCallback", "check_lisa_training_setup"]
+    __all__ = ["LisaAdapterCallback", "LisaCallback", "TrainingProgressGuard", "check_lisa_training_setup"]

@@ -15,6 +15,7 @@ from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
 from hf_lisa.scheduler.optim_state import optimizer_state_bytes
 from hf_lisa.scheduler.step_in_backward import steps_in_backward
 
+from .progress import add_progress_guard
 from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size
 from .state import ScheduleCheckpoint
 
@@ -66,6 +67,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
     def _configure(self, trainer) -> None:
         ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
         configure_trainer(trainer, ours)
+        add_progress_guard(trainer)  # a run that trains nothing stops (a guard the user added stands)
 
     def on_init_end(self, args, state, control, **kwargs):
         trainer = calling_trainer()

@@ -5,7 +5,9 @@ and say that a gradient norm that *stays* below 1e-5 means training is stuck (ad
 the data). This callback measures those quantities for any method (LISA, LoRA, full) and adds them to the Trainer's
 logs, so every integration named by ``report_to`` (TensorBoard, wandb, trackio, ...) records them:
 
-* ``monitor/grad_norm``: global L2 norm of the gradients before clipping (the Trainer's measurement, else ours) and
+* ``monitor/grad_norm``: global L2 norm of the gradients before clipping (the Trainer's measurement, else ours; with
+  an optimizer stepping in the backward pass, the norm its hooks measured, which also replaces the Trainer's
+  ``grad_norm``, computed over gradients that are gone) and
   ``monitor/grad_norm_applied``: the norm after clipping, i.e. of what the optimizer applies, at the logged step;
 * ``monitor/update_ratio/<group>``: ``‖W_after − W_before‖ / ‖W_before‖`` of that step, per group:
   ``embeddings``, ``blocks_<first>-<last>`` (the blocks split into ``num_block_groups`` contiguous groups) and
@@ -39,7 +41,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
-from hf_lisa.scheduler.step_in_backward import steps_in_backward
+from hf_lisa.scheduler.step_in_backward import check_in_backward_arguments, steps_in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class TrainingMonitorCallback(TrainerCallback):
         self._snapshot: Optional[dict[str, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = None
         self._snapshot_hook = None  # with AdamW stepping in backward: the hook that fills the snapshot
         self._pending: dict[str, float] = {}
+        self._stepping = False  # the optimizer steps in the backward pass (its hooks measure the gradient norm)
 
     # -- wiring --------------------------------------------------------------------------------------------------------
     def attach(self, trainer) -> "TrainingMonitorCallback":
@@ -139,8 +142,11 @@ class TrainingMonitorCallback(TrainerCallback):
                 grouped["head"].append((name, p))
         self._groups = [(g, params) for g, params in grouped.items() if params]
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if steps_in_backward(optimizer) is not None:  # no clipping etc.: the rules hf-lisa train and LisaTrainer run
+            check_in_backward_arguments(args, check_optim=False)
         self.plateau_count = 0
+        self._stepping = False
         if model is not None:
             self._build_groups(model)
 
@@ -168,6 +174,7 @@ class TrainingMonitorCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         stepping = steps_in_backward(optimizer)
+        self._stepping = stepping is not None
         grads = [p.grad for _, params in self._groups for _, p in params if p.grad is not None]
         if stepping is not None:  # the gradients were applied and freed in the backward pass; the hooks measured them
             grad_norm = stepping.grad_norm()
@@ -246,7 +253,11 @@ class TrainingMonitorCallback(TrainerCallback):
         if logs is None or "loss" not in logs:  # training logs only, not evaluation or the final summary
             return
         values = {**self._pending, **self._state_values(model, optimizer)}
-        if isinstance(logs.get("grad_norm"), (int, float)):
+        if self._stepping and self.last_grad_norm is not None:
+            # stepped in the backward pass: a plain Trainer measures a norm over gradients that are gone (0.0); the
+            # logged value is the norm the optimizer's hooks measured (LisaTrainer logs that one itself)
+            values["grad_norm"] = values[self.prefix + "grad_norm"] = self.last_grad_norm
+        elif isinstance(logs.get("grad_norm"), (int, float)):
             values[self.prefix + "grad_norm"] = float(logs["grad_norm"])  # before clipping, as the Trainer measured
         self._pending = {}
         logs.update(values)

@@ -49,7 +49,12 @@ import torch
 from torch.optim.adamw import adamw as _adamw_functional
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["AdamWInBackward", "StepsInBackward", "steps_in_backward"]
+from ..errors import UsageError
+
+__all__ = ["AdamWInBackward", "StepsInBackward", "check_in_backward_arguments", "steps_in_backward"]
+
+#: ``optim`` values (``TrainingArguments.optim``) whose update an optimizer stepping in backward reproduces
+IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit")
 
 
 def _run_hook(optimizer_ref: "weakref.ref[AdamWInBackward]", p: torch.Tensor) -> None:
@@ -240,3 +245,65 @@ def steps_in_backward(optimizer: Any) -> Optional[StepsInBackward]:
         return None
     inner = unwrap_optimizer(optimizer)
     return inner if isinstance(inner, StepsInBackward) else None
+
+
+def check_in_backward_arguments(args: Any, cli: bool = False, check_optim: bool = True) -> None:
+    """The one set of rules for a Trainer whose optimizer steps in the backward pass, on its ``TrainingArguments``:
+    ``hf-lisa train --optim_step_in_backward`` (``cli=True``: messages name the command's flags), ``LisaTrainer`` and
+    the callbacks (messages name the ``TrainingArguments`` field to set) all run this.
+
+    Args:
+        args: ``TrainingArguments`` (or anything with its fields).
+        cli: word the messages for the command line.
+        check_optim: check ``optim`` (off when the Trainer was given its optimizer class or instance).
+
+    Raises:
+        UsageError: gradient accumulation (each micro-batch would step), ``max_grad_norm`` > 0 (global-norm clipping
+            needs every gradient first; TrainingArguments' default is 1.0), ``fp16`` (its gradient scaler unscales
+            and checks after the backward pass), an ``optim`` other than AdamW, more than one process or
+            DeepSpeed/FSDP (gradients are reduced across ranks after the local backward).
+    """
+    flag = "--optim_step_in_backward" if cli else "optim_step_in_backward=True"
+
+    def name(field: str) -> str:
+        return f"--{field}" if cli else field
+
+    def setting(field: str, value: Any) -> str:
+        return f"--{field} {value}" if cli else f"TrainingArguments({field}={value!r})"
+
+    accumulation = args.gradient_accumulation_steps
+    if accumulation != 1:
+        raise UsageError(
+            f"{flag} applies each gradient as soon as it is complete, so {name('gradient_accumulation_steps')}="
+            f"{accumulation} cannot accumulate; allowed with it: 1 ({setting('gradient_accumulation_steps', 1)}; "
+            "use a larger per-device batch instead)."
+        )
+    norm = args.max_grad_norm
+    if norm is not None and norm > 0:
+        default = " (TrainingArguments' default)" if not cli and norm == 1.0 else ""
+        raise UsageError(
+            f"{flag} updates each parameter before the global gradient norm is known, so {name('max_grad_norm')}="
+            f"{norm!r}{default} (global-norm clipping) cannot take effect; allowed with it: "
+            f"{setting('max_grad_norm', 0)} (no clipping)."
+        )
+    if args.fp16:
+        raise UsageError(
+            f"{flag} cannot run with {'--fp16' if cli else 'fp16=True'}: its gradient scaler unscales and checks the "
+            "gradients after the backward pass, when they are already applied; use "
+            f"{'--bf16' if cli else 'bf16=True'} (no scaler) or drop {flag}."
+        )
+    optim = getattr(args, "optim", "adamw_torch")
+    optim = getattr(optim, "value", optim)
+    if check_optim and optim not in IN_BACKWARD_OPTIMS:
+        raise UsageError(
+            f"{flag} reproduces AdamW's update (torch's or bitsandbytes' 8-bit), so {name('optim')}={optim!r} cannot "
+            f"be used with it; allowed: {', '.join(IN_BACKWARD_OPTIMS)}."
+        )
+    distributed = [name(field) for field in ("deepspeed", "fsdp") if getattr(args, field, None)]
+    world_size = getattr(args, "world_size", 1)
+    if world_size > 1 or distributed:
+        what = " and ".join(distributed) or f"{world_size} processes"
+        raise UsageError(
+            f"{flag} runs one process only: with {what}, gradients are reduced across ranks after the local "
+            "backward pass, and the hooks would step on each rank's own gradient. Drop it for distributed training."
+        )

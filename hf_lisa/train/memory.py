@@ -38,12 +38,12 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UsageError
-from ..scheduler.step_in_backward import AdamWInBackward
+from ..scheduler.step_in_backward import IN_BACKWARD_OPTIMS, AdamWInBackward, check_in_backward_arguments
 
 #: the methods that use the option (full-parameter updates, where gradients are the size of the weights that train)
 STEP_IN_BACKWARD_METHODS = ("lisa", "full")
 #: ``--optim`` values whose update the step in backward reproduces
-STEP_IN_BACKWARD_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit")
+STEP_IN_BACKWARD_OPTIMS = IN_BACKWARD_OPTIMS
 OPTION = "optim_step_in_backward"
 #: ``--cpu_allocator`` values
 CPU_ALLOCATORS = ("default", "trim", "lean")
@@ -218,40 +218,8 @@ def check_step_in_backward(lisa_args, training_args) -> None:
     """
     if not getattr(lisa_args, OPTION, False):
         return
+    check_in_backward_arguments(training_args, cli=True)  # the rules LisaTrainer and the callbacks run too
     flag = f"--{OPTION}"
-    accumulation = training_args.gradient_accumulation_steps
-    if accumulation != 1:
-        raise UsageError(
-            f"{flag} applies each gradient as soon as it is complete, so --gradient_accumulation_steps="
-            f"{accumulation} cannot accumulate; allowed with it: 1 (use a larger per-device batch instead)."
-        )
-    norm = training_args.max_grad_norm
-    if norm is not None and norm > 0:
-        raise UsageError(
-            f"{flag} updates each parameter before the global gradient norm is known, so --max_grad_norm={norm!r} "
-            "(global-norm clipping) cannot take effect; allowed with it: --max_grad_norm 0 (no clipping)."
-        )
-    if training_args.fp16:
-        raise UsageError(
-            f"{flag} cannot run with --fp16: its gradient scaler unscales and checks the gradients after the "
-            "backward pass, when they are already applied; use --bf16 (no scaler) or drop the option."
-        )
-    optim = _optim_name(training_args)
-    if optim not in STEP_IN_BACKWARD_OPTIMS:
-        raise UsageError(
-            f"{flag} reproduces AdamW's update (torch's or bitsandbytes' 8-bit), so --optim={optim!r} cannot be used "
-            "with it; allowed: "
-            f"{', '.join(STEP_IN_BACKWARD_OPTIMS)}."
-        )
-    distributed = [name for name, on in (("--deepspeed", training_args.deepspeed), ("--fsdp", training_args.fsdp))
-                   if on]
-    if training_args.world_size > 1 or distributed:
-        what = " and ".join(distributed) or f"{training_args.world_size} processes"
-        raise UsageError(
-            f"{flag} runs one process only: with {what}, gradients are reduced across ranks after the local "
-            "backward pass, and the hooks would step on each rank's own gradient. Drop the option for distributed "
-            "training."
-        )
     if lisa_args.method == "lisa" and getattr(lisa_args, "lisa_sampling", "uniform") == "importance":
         raise UsageError(
             f"{flag} frees every gradient as it is applied, so --lisa_sampling=importance (which reads the "

@@ -13,7 +13,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
-from ..scheduler.step_in_backward import steps_in_backward
+from ..scheduler.step_in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
+from ..trainer_callbacks.progress import TrainingProgressGuard
 from ..trainer_callbacks.state import ScheduleCheckpoint
 from .loss import install_chunked_loss
 from .memory import (
@@ -83,6 +84,9 @@ class LisaTrainer(Trainer):
     * **No Hub token in its saves.** The pickled ``training_args.bin`` of each checkpoint and ``save_model()`` is
       written with ``hub_token`` unset; resuming never reads it. (transformers' own push, ``push_to_hub=True``, which
       ``hf-lisa train`` never turns on, still pickles the arguments with the token into ``output_dir``.)
+    * **A run that trains nothing stops.** Its first optimizer steps are checked (``progress_check_steps``): when
+      none changed a trainable parameter with a nonzero gradient, ``train()`` raises
+      :class:`~hf_lisa.errors.NothingTrainedError` (``hf-lisa train``: exit status 1).
     * **``train_loss`` over the whole run.** The loss is logged at every checkpoint, and a resumed ``train()`` reports
       the mean over all steps since step 0, not only the resumed ones.
 
@@ -109,12 +113,18 @@ class LisaTrainer(Trainer):
             Trainer keeps it in 32).
         chunked_loss: compute the causal-LM loss chunk by chunk (the model's ``loss_function`` is replaced).
         cpu_allocator: ``"default"``, ``"trim"`` or ``"lean"``; only on CPU with glibc.
+        progress_check_steps: the :class:`~hf_lisa.trainer_callbacks.progress.TrainingProgressGuard` it runs: stop
+            with ``NothingTrainedError`` when this many optimizer steps (learning rate above 0, updates not withheld)
+            train nothing, at the start and after each evaluation; 0 turns it off. A guard in ``callbacks`` stands.
     """
 
     def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None,
                  optim_step_in_backward: bool = False, chunked_loss: bool = True, cpu_allocator: str = "default",
-                 optim_8bit_embeddings: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
+                 optim_8bit_embeddings: bool = False, progress_check_steps: int = 3, **kwargs):
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        if not any(isinstance(cb, TrainingProgressGuard) or cb is TrainingProgressGuard for cb in callbacks):
+            callbacks.append(TrainingProgressGuard(check_steps=progress_check_steps))  # a given one stands
+        super().__init__(*args, callbacks=callbacks, **kwargs)
         self.chunked_loss = chunked_loss and install_chunked_loss(self.model)
         on_cpu = self.args.device.type == "cpu"
         applied = apply_cpu_allocator(cpu_allocator, on_cpu=on_cpu)  # "lean"; hf-lisa train applied it already
@@ -132,6 +142,7 @@ class LisaTrainer(Trainer):
                 "optim_step_in_backward=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
                 f"optimizers=({type(self.optimizer).__name__}, ...); pass one or the other."
             )
+        self._check_in_backward()
         self._staging: Optional[str] = None  # the staging folder of the checkpoint being written
         self._whole_run_loss = _WholeRunLoss()
         self.add_callback(self._whole_run_loss)
@@ -182,14 +193,24 @@ class LisaTrainer(Trainer):
             self.heap_trim.trim_before_backward_of(result[0] if return_outputs else result)
         return result
 
+    def _check_in_backward(self) -> None:
+        """The command's rules for an optimizer that steps in backward (``optim_step_in_backward=True``, or such an
+        optimizer given): no clipping, accumulation, fp16, other optimizers or several processes. Raises
+        ``UsageError`` naming the ``TrainingArguments`` field to set."""
+        given = self.optimizer_cls_and_kwargs
+        given_cls = given is not None and isinstance(given[0], type) and issubclass(given[0], StepsInBackward)
+        if self.optim_step_in_backward or given_cls or steps_in_backward(self.optimizer) is not None:
+            check_in_backward_arguments(self.args, check_optim=self.optimizer is None and given is None)
+
     def _get_grad_norm(self, model, grad_norm=None):
         stepping = steps_in_backward(self.optimizer)
-        if stepping is not None and grad_norm is None:  # the gradients are gone: the norm the hooks measured
+        if stepping is not None:  # the gradients are gone: the norm the hooks measured (never a norm over nothing)
             return stepping.grad_norm()
         return super()._get_grad_norm(model, grad_norm)
 
     # -- training loss over the whole run (and the step in backward armed for train() only) ----------------------------
     def train(self, *args, **kwargs):
+        self._check_in_backward()  # the arguments may have changed since __init__
         stepping = steps_in_backward(self.optimizer)
         if stepping is not None:  # a second train(): the Trainer reuses its optimizer
             stepping.armed = True
