@@ -93,9 +93,9 @@ def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_
     assert states("lora") == [LAYERS * adamw(LORA_BLOCK)] * STEPS
     assert results["lora"]["params"]["trainable_max"] == LAYERS * sum(LORA_BLOCK)
     assert states("lisa-adapter") == [GAMMA * adamw(LORA_BLOCK)] * STEPS
-    # a fresh sparse layer holds no state while its first active step scores |dL/dW| for its mask (B held at 0)
+    # a fresh sparse layer's first mask is scored before the first optimizer step: it trains, and holds state, from it
     sparse = states("lisa-adapter-sparse")
-    assert sparse[0] == 0 and sparse[-1] == GAMMA * adamw(LORA_BLOCK)
+    assert sparse == [GAMMA * adamw(LORA_BLOCK)] * STEPS
     assert all(s <= GAMMA * adamw(LORA_BLOCK) for s in sparse)
     # interpolation: delta and beta, one entry per block each, train throughout
     assert states("lisa-adapter-interp") == [GAMMA * adamw(LORA_BLOCK) + adamw([LAYERS, LAYERS])] * STEPS

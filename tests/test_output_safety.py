@@ -238,7 +238,8 @@ REFUSED = [
             ("--mask_update_interval=3 (the checkpoint has 2)",), "lisa-adapter"),
     Refused("resume-changes-importance-steps", _resume("lisa-adapter", "--importance_steps", "2"),
             ("--importance_steps=2 (the checkpoint has 1)",), "lisa-adapter"),
-    Refused("resume-adapter-turns-sampling-off", _resume("lisa-adapter", "--lisa_activated_layers", "0"),
+    Refused("resume-adapter-turns-sampling-off",  # K back at its default: with γ = 0 a K of 2 is refused for itself
+            _resume("lisa-adapter", "--lisa_activated_layers", "0", "--lisa_interval_steps", "20"),
             ("--lisa_activated_layers=0 (the checkpoint has 1)",), "lisa-adapter"),
     Refused("resume-lora-checkpoint-as-lisa", _resume("lora"),
             ("was written by --method lora, but this run is --method lisa",)),
