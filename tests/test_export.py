@@ -32,13 +32,7 @@ needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason
 VOCAB = 320
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI machine is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tokenizer():

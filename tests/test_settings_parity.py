@@ -27,12 +27,7 @@ datasets = pytest.importorskip("datasets")
 STEPS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def build_tiny_opt_dir(directory) -> str:

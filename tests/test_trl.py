@@ -50,14 +50,7 @@ GRADIENT_CHECKPOINTING = pytest.mark.parametrize("gradient_checkpointing", [True
 # ----------------------------------------------------------------------------------------------------------------------
 # tiny models, data and trainers
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy 2-core machine, spinning threads made this file 5x
-    slower (measured: 45 s with one thread, 273 s with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
