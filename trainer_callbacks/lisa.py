@@ -177,15 +177,7 @@ class LisaCallback(_LisaCallbackBase):
 
     def resolved_settings(self) -> dict[str, Any]:
         """The schedule's settings as this callback runs them (the names of ``training_summary.json``'s ``lisa``)."""
-        return {
-            "activated_layers": self.activated_layers,
-            "interval_steps": self.interval_steps,
-            "sampling": self.sampling,
-            "optimizer_state_policy": self.optimizer_state_policy,
-            "always_trainable": [] if self.always_trainable is None else list(self.always_trainable),
-            "layers_attribute": self.layers_attribute,
-            "seed": self.seed,
-        }
+        return {**self._ctor_args(), "always_trainable": list(self.always_trainable or ())}
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self._begin_step()
