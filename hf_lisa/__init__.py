@@ -14,10 +14,6 @@ from .tuner import PEFT_TYPE_LISA, LisaConfig, LisaLayer, LisaModel, Linear, reg
 
 __version__ = "0.2.0"
 
-from . import _moved  # noqa: E402
-
-_moved.install()  # hf-lisa 0.1 module paths (hf_lisa.config, hf_lisa.data, ...) still import, with a FutureWarning
-
 # Hub helpers load lazily: huggingface_hub's upload machinery and the card templates are not needed to train
 _LAZY = {"push_to_hub": "hub", "from_pretrained": "hub.load"}
 

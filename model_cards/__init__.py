@@ -14,24 +14,20 @@ Example:
 
 from __future__ import annotations
 
-if __name__ == "model_cards":  # the 0.1 top-level name: warn and hand over to hf_lisa.model_cards
-    from hf_lisa._moved import hand_over
+from pathlib import Path
 
-    hand_over(__name__)
-else:
-    from pathlib import Path
-
-    TEMPLATES_DIR = Path(__file__).resolve().parent
-    DEFAULT_TEMPLATE = "model_card.md.j2"
-
-    def available_templates() -> list[str]:
-        """File names of the shipped templates."""
-        return sorted(p.name for p in TEMPLATES_DIR.glob("*.md.j2"))
+TEMPLATES_DIR = Path(__file__).resolve().parent
+DEFAULT_TEMPLATE = "model_card.md.j2"
 
 
-    def template_path(name: str = DEFAULT_TEMPLATE) -> str:
-        """Absolute path of the shipped template ``name`` (one card for adapters and merged models, with branches)."""
-        path = TEMPLATES_DIR / name
-        if not path.is_file():
-            raise FileNotFoundError(f"model card template {name!r} not found; available: {available_templates()}")
-        return str(path)
+def available_templates() -> list[str]:
+    """File names of the shipped templates."""
+    return sorted(p.name for p in TEMPLATES_DIR.glob("*.md.j2"))
+
+
+def template_path(name: str = DEFAULT_TEMPLATE) -> str:
+    """Absolute path of the shipped template ``name`` (one card for adapters and merged models, with branches)."""
+    path = TEMPLATES_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"model card template {name!r} not found; available: {available_templates()}")
+    return str(path)

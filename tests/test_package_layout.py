@@ -1,4 +1,4 @@
-"""The package's shape: no import circle, each subpackage imports on its own, one namespace, old paths deprecated.
+"""The package's shape: no import circle, each subpackage imports on its own, one namespace, no 0.1 aliases.
 
 Static checks read the source with ``ast`` (cheap); one subprocess per subpackage proves it imports alone.
 """
@@ -103,7 +103,7 @@ def test_no_import_cycle_between_modules():
 # the layers of docs/architecture.md, lowest first: a module may import (at any depth, functions included) only from
 # its own layer or a lower one; the root package `hf_lisa` re-exports and is exempt
 LAYERS = (
-    ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa._moved", "hf_lisa.models"),
+    ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa.models"),
     ("hf_lisa.tuner",),
     ("hf_lisa.scheduler",),
     ("hf_lisa.distributed",),
@@ -140,29 +140,12 @@ def test_each_module_imports_only_from_its_layer_or_below():
 
 SUBPACKAGES = ["hf_lisa.tuner", "hf_lisa.scheduler", "hf_lisa.distributed", "hf_lisa.train", "hf_lisa.hub",
                "hf_lisa.trainer_callbacks", "hf_lisa.cli"]
-OLD_NAMES = [("trainer_callbacks", "hf_lisa.trainer_callbacks"), ("model_cards", "hf_lisa.model_cards")]
-
-
-def _old_name_code(old: str, new: str) -> str:
-    return (
-        "import warnings, importlib\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        f"    old = importlib.import_module({old!r})\n"
-        f"new = importlib.import_module({new!r})\n"
-        "assert old is new, (old, new)\n"
-        f"assert any(issubclass(w.category, FutureWarning) and {new!r} in str(w.message) for w in caught), caught\n"
-        + (f"import {old}.lisa, {new}.lisa\nassert {old}.lisa is {new}.lisa\n" if old == "trainer_callbacks" else "")
-    )
-
-
 @pytest.fixture(scope="module")
 def fresh_interpreters():
     """Every fresh-interpreter import check of this module, started at once (each is a cold import of torch,
     transformers and peft, mostly single-threaded): ``{key: (returncode, stderr)}``."""
     jobs = {module: (f"import warnings; warnings.simplefilter('error', FutureWarning); import {module}", "/")
             for module in SUBPACKAGES}
-    jobs.update({(old, new): (_old_name_code(old, new), str(REPO)) for old, new in OLD_NAMES})
     with contextlib.ExitStack() as stack:
         running = {}
         for key, (code, cwd) in jobs.items():
@@ -201,24 +184,19 @@ def test_modules_stay_within_the_line_budget():
     assert not over, f"modules over {LINE_BUDGET} lines without a stated reason: {over}"
 
 
-def test_old_module_paths_warn_and_hand_over_the_same_module():
+def test_the_0_1_names_are_gone():
+    """0.1 was never released: its module paths and the generic top-level names are not importable aliases."""
     import importlib
 
-    import hf_lisa
-    from hf_lisa._moved import MOVED_MODULES
+    import hf_lisa  # noqa: F401
 
-    for old, new in MOVED_MODULES.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new)
-    assert hf_lisa.LisaConfig is importlib.import_module("hf_lisa.config").LisaConfig
-
-
-@pytest.mark.parametrize("old,new", OLD_NAMES)
-def test_old_top_level_names_warn_and_hand_over(old, new, fresh_interpreters):
-    returncode, stderr = fresh_interpreters[(old, new)]
-    assert returncode == 0, stderr[-2000:]
+    for old in ("hf_lisa.config", "hf_lisa.data", "hf_lisa.loading", "hf_lisa.registration"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert not {"trainer_callbacks", "model_cards"} & set(config["packages"])
+    assert "ignore::FutureWarning" not in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["filterwarnings"]
 
 
 def test_no_warning_on_the_canonical_paths():
@@ -246,10 +224,9 @@ def test_built_wheel_installs_one_namespace(tmp_path):
         f"assert hf_lisa.__file__.startswith({str(target)!r}), hf_lisa.__file__\n"
         "assert hf_lisa.model_cards.template_path().endswith('model_card.md.j2')\n"
         "from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import trainer_callbacks\n"
-        "assert trainer_callbacks is hf_lisa.trainer_callbacks and caught\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('trainer_callbacks') is None\n"
+        "assert importlib.util.find_spec('model_cards') is None\n"
         "print(hf_lisa.__version__)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

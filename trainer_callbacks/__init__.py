@@ -12,13 +12,8 @@ check), :mod:`.state` (checkpoint and resume of the schedule), :mod:`.monitoring
 
 from __future__ import annotations
 
-if __name__ == "trainer_callbacks":  # the 0.1 top-level name: warn and hand over to hf_lisa.trainer_callbacks
-    from hf_lisa._moved import hand_over
+from .lisa import LisaAdapterCallback, LisaCallback
+from .progress import TrainingProgressGuard
+from .setup import check_lisa_training_setup
 
-    hand_over(__name__)
-else:
-    from .lisa import LisaAdapterCallback, LisaCallback
-    from .progress import TrainingProgressGuard
-    from .setup import check_lisa_training_setup
-
-    __all__ = ["LisaAdapterCallback", "LisaCallback", "TrainingProgressGuard", "check_lisa_training_setup"]
+__all__ = ["LisaAdapterCallback", "LisaCallback", "TrainingProgressGuard", "check_lisa_training_setup"]

@@ -24,7 +24,7 @@ Bad data, and what happens to it (also in ``docs/training.md``; the checks live 
 
 Example:
     ```py
-    >>> from hf_lisa.data import load_raw_datasets, tokenize_datasets
+    >>> from hf_lisa.train.data import load_raw_datasets, tokenize_datasets
     >>> raw = load_raw_datasets(train_file="train.jsonl", validation_split_percentage=10)  # doctest: +SKIP
     >>> tokenized, report = tokenize_datasets(raw, tokenizer, max_seq_length=256)  # doctest: +SKIP
     ```
