@@ -82,14 +82,14 @@ def lisa_config_reference(fmt: str = "markdown") -> str:
 
 def config_reference(fmt: str = "markdown") -> str:
     """The configuration reference of ``hf-lisa train``, generated from the dataclasses' help metadata and, for the
-    method's options, the methods that use them (``hf_lisa.train.methods.OPTION_METHODS``).
+    method's options, the methods that use them (``hf_lisa.train.options.OPTION_METHODS``).
 
     ``TrainingArguments`` is summarised by a pointer to the transformers documentation rather than repeated.
     """
     import dataclasses
 
-    from .train import ARGUMENT_CLASSES, METHODS
-    from .train.methods import OPTION_METHODS
+    from .train import ARGUMENT_CLASSES, METHOD_NAMES
+    from .train.options import OPTION_METHODS
 
     lines = []
     for cls in ARGUMENT_CLASSES:
@@ -101,7 +101,7 @@ def config_reference(fmt: str = "markdown") -> str:
         for f in dataclasses.fields(cls):
             default = _field_default(f)
             help_text = f.metadata.get("help", "")
-            if OPTION_METHODS.get(f.name, METHODS) != METHODS:
+            if OPTION_METHODS.get(f.name, METHOD_NAMES) != METHOD_NAMES:
                 help_text += f" Methods: {', '.join(OPTION_METHODS[f.name])}."
             if fmt == "markdown":
                 cell = help_text.replace("|", "\\|")

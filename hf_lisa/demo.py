@@ -14,8 +14,10 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from .methods import FULL_LISA, METHODS
+
 DEMO_DEFAULTS: dict[str, Any] = {
-    "method": "lisa",
+    "method": FULL_LISA.name,
     "lisa_activated_layers": 2,
     "lisa_interval_steps": 20,
     "max_steps": 60,
@@ -63,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ]
     lisa = summary["lisa"]
     title = f"{summary['base_model']} | method={summary['method']}"
-    if summary["method"] in ("lisa", "lisa-adapter"):
+    if METHODS[summary["method"]].samples_layers:
         title += f" (γ={lisa.get('activated_layers')}, K={lisa.get('interval_steps')})"
     title += f" | {summary['hyperparameters']['max_steps']} steps"
     out = [f"\n=== hf-lisa demo: {title} ===", f"{'':16}{'before':>10}{'after':>10}"]

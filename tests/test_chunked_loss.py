@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_lisa.train.loss import chunked_causal_lm_loss, chunked_cross_entropy, install_chunked_loss
+from hf_lisa.optim.chunked_loss import chunked_causal_lm_loss, chunked_cross_entropy, install_chunked_loss
 
 
 def _logits_and_labels(batch=3, seq=11, vocab=50, dtype=torch.float32, seed=0):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_lisa.train import parse_args
-from hf_lisa.train.memory import LEAN_MMAP_THRESHOLD, apply_cpu_allocator, heap_trim
+from hf_lisa.optim.memory import LEAN_MMAP_THRESHOLD, apply_cpu_allocator, heap_trim
 
 
 def _glibc():

@@ -1,6 +1,6 @@
 """Every ``--method`` against every option of ``hf-lisa train``: refused with a message naming both, or accepted.
 
-Only ``parse_args`` runs (no model is loaded). The table under test is ``hf_lisa.train.methods.OPTION_METHODS``; the
+Only ``parse_args`` runs (no model is loaded). The table under test is ``hf_lisa.train.options.OPTION_METHODS``; the
 value rules are ``hf_lisa.tuner.config.check_lisa_settings``.
 """
 
@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from hf_lisa import LisaConfig
-from hf_lisa.train import METHODS, LisaArguments, parse_args
-from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, _NOT_OPTIONS, LISA_CONFIG_OPTIONS, lisa_config_kwargs
-from hf_lisa.train.methods import OPTION_METHODS
+from hf_lisa.train import METHOD_NAMES as METHODS, LisaArguments, parse_args
+from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, lisa_config_kwargs
+from hf_lisa.train.options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS
+from hf_lisa.train.options import OPTION_METHODS
 from hf_lisa.tuner.config import LAYER_SCHEDULE_DEFAULTS, lisa_config_fields
 
 #: a valid value, other than the default, of every option (as command-line tokens)

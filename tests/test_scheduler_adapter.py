@@ -12,7 +12,7 @@ from transformers import Trainer, TrainerCallback
 import hf_lisa
 from hf_lisa.tuner import masks as M
 from hf_lisa.tuner.layer import LisaLayer
-from hf_lisa.scheduler.optim_state import unwrap_optimizer
+from hf_lisa.optim.state import unwrap_optimizer
 from hf_lisa.scheduler import MaskScheduler
 from hf_lisa.trainer_callbacks import LisaAdapterCallback
 

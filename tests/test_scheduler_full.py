@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from hf_lisa.scheduler.optim_state import optimizer_state_bytes, unwrap_optimizer
+from hf_lisa.optim.state import optimizer_state_bytes, unwrap_optimizer
 from hf_lisa.scheduler.sampler import LayerSampler
 from hf_lisa.scheduler import LayerwiseScheduler
 from hf_lisa.trainer_callbacks import LisaCallback, check_lisa_training_setup

@@ -12,8 +12,8 @@ import torch
 bnb = pytest.importorskip("bitsandbytes")
 
 from hf_lisa.errors import UsageError  # noqa: E402
-from hf_lisa.scheduler.step_in_backward import steps_in_backward  # noqa: E402
-from hf_lisa.scheduler.step_in_backward_8bit import AdamW8bitInBackward, SlicedAdamW8bit  # noqa: E402
+from hf_lisa.optim.in_backward import steps_in_backward  # noqa: E402
+from hf_lisa.optim.adamw_8bit import AdamW8bitInBackward, SlicedAdamW8bit  # noqa: E402
 from hf_lisa.train import LisaTrainer, parse_args  # noqa: E402
 from hf_lisa.trainer_callbacks import LisaCallback  # noqa: E402
 

@@ -15,7 +15,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
 from hf_lisa import cli
-from hf_lisa.train import METHODS, main, parse_args
+from hf_lisa.train import METHOD_NAMES as METHODS, main, parse_args
 from hf_lisa.train.arguments import lisa_config_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,19 +216,22 @@ def test_config_reference_lists_every_option_and_the_docs_are_in_sync(capsys):
         )
 
 
-def test_readme_lists_every_lisa_config_field():
+def test_docs_list_every_lisa_config_field():
     from dataclasses import fields
 
     from hf_lisa import LisaConfig
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split(cli.LISA_CONFIG_BEGIN, 1)[1].split(cli.LISA_CONFIG_END, 1)[0]
-    assert section.strip() == cli.lisa_config_reference().strip(), (
-        "README.md is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
-    )
-    for name in ("r", "lisa_alpha", "sparsity", "sparsity_structure", "block_size", "n_m", "mask_init",
-                 "layer_interpolation", "lisa_activated_layers", "rank_pattern", "sparsity_pattern"):
-        assert f"`{name}`" in section
+    sections = [name for name in cli.DOC_FILES if cli.LISA_CONFIG_BEGIN in (REPO / name).read_text()]
+    assert sections, f"none of {cli.DOC_FILES} has the LisaConfig reference ({cli.LISA_CONFIG_BEGIN})"
+    for name in sections:
+        docs = (REPO / name).read_text()
+        section = docs.split(cli.LISA_CONFIG_BEGIN, 1)[1].split(cli.LISA_CONFIG_END, 1)[0]
+        assert section.strip() == cli.lisa_config_reference().strip(), (
+            f"{name} is out of date: regenerate it with `hf-lisa config-reference --update-docs`"
+        )
+        for field_name in ("r", "lisa_alpha", "sparsity", "sparsity_structure", "block_size", "n_m", "mask_init",
+                           "layer_interpolation", "lisa_activated_layers", "rank_pattern", "sparsity_pattern"):
+            assert f"`{field_name}`" in section
     assert {f.name for f in fields(LisaConfig)} >= {"sparsity", "new_block_bonus"}
 
 

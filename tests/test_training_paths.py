@@ -17,7 +17,7 @@ import hf_lisa
 from hf_lisa.tuner.layer import LisaLayer
 from hf_lisa.tuner.schedule_guard import attach_schedule
 from hf_lisa.scheduler import SCHEDULER_STATE_VERSION, LayerwiseScheduler, MaskScheduler
-from hf_lisa.scheduler.optim_state import unwrap_optimizer
+from hf_lisa.optim.state import unwrap_optimizer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
 

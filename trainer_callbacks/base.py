@@ -12,8 +12,8 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
-from hf_lisa.scheduler.optim_state import optimizer_state_bytes
-from hf_lisa.scheduler.step_in_backward import steps_in_backward
+from hf_lisa.optim.state import optimizer_state_bytes
+from hf_lisa.optim.in_backward import steps_in_backward
 
 from .progress import add_progress_guard
 from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size

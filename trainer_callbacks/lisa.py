@@ -36,8 +36,9 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
-from hf_lisa.scheduler.optim_state import exclude_from_weight_decay
-from hf_lisa.tuner.config import FULL_LISA_ACTIVATED_LAYERS, _is_int, check_lisa_settings
+from hf_lisa.optim.state import exclude_from_weight_decay
+from hf_lisa.methods import FULL_LISA_ACTIVATED_LAYERS
+from hf_lisa.tuner.config import _is_int, check_lisa_settings
 from hf_lisa.tuner.schedule_guard import attach_schedule, detach_schedule, settings_needing_schedule
 
 from .base import _LisaCallbackBase

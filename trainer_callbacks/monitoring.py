@@ -41,7 +41,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
-from hf_lisa.scheduler.step_in_backward import check_in_backward_arguments, steps_in_backward
+from hf_lisa.optim.in_backward import check_in_backward_arguments, steps_in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class TrainingMonitorCallback(TrainerCallback):
                     trainable += p.numel()
             values[self.prefix + "trainable_params"] = float(trainable)
         if optimizer is not None:
-            from hf_lisa.scheduler.optim_state import optimizer_state_bytes
+            from hf_lisa.optim.state import optimizer_state_bytes
 
             values[self.prefix + "optimizer_state_bytes"] = float(optimizer_state_bytes(optimizer))
         return values

@@ -36,7 +36,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_lisa.errors import NothingTrainedError
-from hf_lisa.scheduler.step_in_backward import check_in_backward_arguments, steps_in_backward
+from hf_lisa.optim.in_backward import check_in_backward_arguments, steps_in_backward
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any, Optional, Union
 
+from ..methods import FULL_LISA, METHODS, method_of_adapter
 from .load import TASK_TYPE_TO_AUTO_CLASS
 from .staging import PUSH_MODES, _resolve_hub_base_model
 from .summary import TrainingSummary
@@ -14,16 +15,8 @@ from .summary import TrainingSummary
 logger = logging.getLogger(__name__)
 
 
-METHOD_TITLES = {
-    "lisa": "full-parameter LISA: sampled blocks train in place",
-    "lisa-adapter": "LISA adapters: sparse low-rank updates, layerwise sampled",
-    "lora": "LoRA",
-    "dora": "DoRA",
-    "full": "full fine-tuning",
-}
-
-
-_ADAPTER_METHODS = ("lisa-adapter", "lora", "dora")
+#: the card's title of each method, from the registry
+METHOD_TITLES = {name: method.title for name, method in METHODS.items()}
 
 
 TASK_TYPE_TO_PIPELINE_TAG = {
@@ -60,13 +53,8 @@ def _method_of(mode: str, adapter_config: Optional[dict], summary: TrainingSumma
     if summary.method:
         return str(summary.method)
     if adapter_config is not None:
-        peft_type = str(adapter_config.get("peft_type", "")).upper()
-        if peft_type == "LISA":
-            return "lisa-adapter"
-        if peft_type == "LORA":
-            return "dora" if adapter_config.get("use_dora") else "lora"
-        return peft_type.lower() or "adapter"
-    return "lisa"
+        return method_of_adapter(adapter_config) or str(adapter_config.get("peft_type", "")).lower() or "adapter"
+    return FULL_LISA.name
 
 
 def _module_groups(config: dict) -> list[dict]:
@@ -253,7 +241,8 @@ def render_model_card(
     metrics = {k: v for k, v in summary.metrics.items() if v is not None}
     model_name = (repo_id or "model").split("/")[-1]
 
-    tags = ["lisa"] + (["peft"] if mode == "adapter" or method in _ADAPTER_METHODS else []) + [method]
+    is_adapter = method in METHODS and METHODS[method].is_adapter
+    tags = ["lisa"] + (["peft"] if mode == "adapter" or is_adapter else []) + [method]
     tags += [t for t in card_data.pop("tags", []) or [] if t not in tags]
     metadata = {
         "library_name": "peft" if mode == "adapter" else "transformers",

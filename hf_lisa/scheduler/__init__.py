@@ -14,7 +14,8 @@ Modules:
 * :mod:`.active_set`: :class:`BlockIndex`, the model's blocks and parameter groups, built once per model and read by
   every consumer (schedule, LLRD, monitor, summary, FSDP2), and :class:`ActiveSet`, the one record of the active blocks;
 * :mod:`.sampler`: :class:`LayerSampler`, which γ blocks come next (uniform, importance, cyclic): it proposes only;
-* :mod:`.optim_state`: what happens to the optimizer state of blocks that leave the active set;
+* :mod:`hf_lisa.optim.state` (below the scheduler): what happens to the optimizer state of blocks that leave the
+  active set;
 * :mod:`.param_groups`: layer-wise learning-rate decay groups;
 * :mod:`.state`: the schedule's state on disk (``lisa_state.safetensors``, no pickle);
 * :mod:`.common`: the state format version and the adapter-config lookup they share.
@@ -42,7 +43,7 @@ from .active_set import ActiveSet, BlockIndex
 from .common import SCHEDULER_STATE_VERSION, lisa_config_of
 from .layerwise import ALWAYS_TRAINABLE_KEYWORDS, DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler
 from .mask_schedule import MaskScheduler
-from .optim_state import OPTIMIZER_STATE_POLICIES, optimizer_state_bytes
+from ..optim.state import OPTIMIZER_STATE_POLICIES, optimizer_state_bytes
 from .sampler import LayerSampler
 from .state import load_schedule, save_schedule
 

@@ -12,7 +12,7 @@ from ..blocks import _unwrap
 from ..tuner.config import check_lisa_settings
 from .active_set import ActiveSet, BlockIndex
 from .common import SCHEDULER_STATE_VERSION, _numel, lisa_config_of
-from .optim_state import drop_optimizer_state, optimizer_state_bytes
+from ..optim.state import drop_optimizer_state, optimizer_state_bytes
 from .sampler import LayerSampler
 
 ALWAYS_TRAINABLE_KEYWORDS = ("embeddings", "lm_head", "norm", "heads")
@@ -400,7 +400,7 @@ class LayerwiseScheduler:
         }
 
     def optimizer_state_bytes(self, optimizer: Any) -> int:
-        """Bytes of optimizer state currently held (see :func:`hf_lisa.scheduler.optim_state.optimizer_state_bytes`)."""
+        """Bytes of optimizer state currently held (see :func:`hf_lisa.optim.state.optimizer_state_bytes`)."""
         return optimizer_state_bytes(optimizer)
 
     # -- state -------------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from __future__ import annotations
 from .arguments import (
     ADAPTER_METHODS,
     ARGUMENT_CLASSES,
-    METHODS,
+    METHOD_NAMES,
     PUSH_MODES,
     DataArguments,
     LisaArguments,
@@ -68,7 +68,7 @@ from .trainer import LisaTrainer
 __all__ = [
     "ADAPTER_METHODS",
     "ARGUMENT_CLASSES",
-    "METHODS",
+    "METHOD_NAMES",
     "PUSH_MODES",
     "TRAINING_SUMMARY_NAME",
     "DataArguments",

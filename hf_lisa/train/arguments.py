@@ -16,17 +16,20 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import UsageError
+from ..methods import DEFAULT_METHOD, FULL_LISA, LISA_ADAPTER, METHODS, get_method, method_names
 from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
-from ..tuner.config import FULL_LISA_ACTIVATED_LAYERS, LisaConfig, lisa_config_fields
+from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
-from .memory import check_memory_options, memory_fields
+from ..optim.memory import check_memory_options, memory_fields
+from .options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS, check_method_options, resolve_method_defaults, uses
 from .quantization import check_quantization, quantization_fields
 
 logger = logging.getLogger("hf_lisa.train")
 
 
-METHODS = ("lisa", "lisa-adapter", "lora", "dora", "full")
-ADAPTER_METHODS = ("lisa-adapter", "lora", "dora")
+#: the ``--method`` names, and those that train adapters (both from the registry, :mod:`hf_lisa.methods`)
+METHOD_NAMES = method_names()
+ADAPTER_METHODS = method_names(lambda m: m.is_adapter)
 PUSH_MODES = ("adapter", "merged")
 
 
@@ -191,11 +194,8 @@ class _MethodArguments:
     """``--method`` and the options that are not ``LisaConfig`` fields (the base of [`LisaArguments`])."""
 
     method: str = field(
-        default="lisa",
-        metadata={
-            "help": "lisa (full-parameter layerwise sampling, saves full weights), lisa-adapter (LISA PEFT adapters: "
-            "sparsity, interpolation, sampling), lora, dora, or full."
-        },
+        default=DEFAULT_METHOD,
+        metadata={"help": ", ".join(f"{m.name} ({m.help})" for m in METHODS.values()) + "."},
     )
     lisa_always_trainable: list[str] = field(
         default_factory=lambda: list(DEFAULT_ALWAYS_TRAINABLE),
@@ -301,16 +301,13 @@ _COMMAND_LINE_FORMS: dict[str, _CommandLineForm] = {
     # LisaConfig's own default, as a number (0.5 parses); γ's depends on the form (methods.resolve_method_defaults)
     "lisa_alpha": _CommandLineForm(float, LisaConfig.__dataclass_fields__["lisa_alpha"].default),
     "lisa_activated_layers": _CommandLineForm(Optional[int], None, note=(
-        f" Default: {FULL_LISA_ACTIVATED_LAYERS} for --method lisa (LisaCallback's; it needs 1 or more), "
-        f"{LisaConfig.__dataclass_fields__['lisa_activated_layers'].default} for --method lisa-adapter (LisaConfig's).")),
+        f" Default: {FULL_LISA.defaults['lisa_activated_layers']} for --method {FULL_LISA.name} (LisaCallback's; it "
+        f"needs 1 or more), {LISA_ADAPTER.defaults['lisa_activated_layers']} for --method {LISA_ADAPTER.name} "
+        "(LisaConfig's).")),
 }
-#: LisaConfig fields that are not options, and why
-_NOT_OPTIONS = {"fan_in_fan_out": "set automatically for Conv1D targets", "init_weights": "False is for tests only"}
 
 
 _LISA_CONFIG_TYPES = typing.get_type_hints(LisaConfig)
-#: the LisaConfig fields that are options of ``hf-lisa train``, in LisaConfig's order
-LISA_CONFIG_OPTIONS: tuple[str, ...] = tuple(f.name for f in lisa_config_fields() if f.name not in _NOT_OPTIONS)
 
 
 def _option(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
@@ -440,15 +437,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
 def validate_args(model_args, data_args, lisa_args, training_args) -> None:
     """Check what the dataclasses cannot check alone: the method against its options (:func:`check_method_options`),
     the LISA settings by LisaConfig's rules, and the combinations; errors name the option and what is allowed."""
-    from ..tuner.config import check_lisa_settings
-    from .methods import OPTION_METHODS, check_method_options, resolve_method_defaults  # methods.py imports this
-
     def need(cond: bool, message: str) -> None:
         if not cond:
             raise UsageError(message)
 
-    method = lisa_args.method
-    need(method in METHODS, f"--method={method!r} is invalid; allowed: {', '.join(METHODS)}.")
+    method = get_method(lisa_args.method).name
     need(
         model_args.torch_dtype in ("float32", "bfloat16", "float16", "auto"),
         f"--torch_dtype={model_args.torch_dtype!r} is invalid; allowed: float32, bfloat16, float16, auto.",
@@ -471,8 +464,8 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
     check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
     check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses
     settings = {**lisa_config_kwargs(lisa_args), "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy}
-    used = {name: value for name, value in settings.items() if method in OPTION_METHODS[name]}
-    check_lisa_settings(used, where=f"--method {method} --", allow_every_block=method != "lisa")
+    used = {name: value for name, value in settings.items() if uses(method, name)}
+    check_lisa_settings(used, where=f"--method {method} --", allow_every_block=not METHODS[method].samples_base_blocks)
     need(
         lisa_args.monitor_plateau_steps >= 1 and lisa_args.monitor_block_groups >= 1,
         "--monitor_plateau_steps and --monitor_block_groups must be >= 1.",

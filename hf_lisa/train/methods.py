@@ -1,29 +1,19 @@
-"""Load the model and wrap it for the chosen ``--method`` (lisa, lisa-adapter, lora, dora, full), and the table of
-which option each method uses (:data:`OPTION_METHODS`), from which options a method does not use are refused.
-
-A new method: add it to ``METHODS`` (``arguments.py``), to the methods of the options it uses in
-:data:`OPTION_METHODS`, and a branch to :func:`apply_method`."""
+"""Load the model and wrap it for the chosen ``--method``, as the registry (:mod:`hf_lisa.methods`) describes it:
+full-parameter LISA gets ``LisaCallback``, a LISA adapter ``LisaConfig`` + ``LisaAdapterCallback``, a LoRA-type
+adapter PEFT's ``LoraConfig``, and a method that trains the base weights without a schedule nothing. Which option
+each method uses is :data:`hf_lisa.train.options.OPTION_METHODS`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Any
 
 import torch
 from torch import nn
 
-from .arguments import (
-    ADAPTER_METHODS,
-    LISA_CONFIG_OPTIONS,
-    METHODS,
-    LisaArguments,
-    ModelArguments,
-    lisa_config_kwargs,
-)
-from .memory import STEP_IN_BACKWARD_METHODS
+from ..methods import get_method
+from .arguments import LisaArguments, ModelArguments, lisa_config_kwargs
+from .options import LORA_CONFIG_NAMES, uses
 from .quantization import bnb_config
-from ..tuner.config import FULL_LISA_ACTIVATED_LAYERS, LisaConfig
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -68,104 +58,6 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
     return model, tokenizer
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Which option applies to which method: the one table, and the one cross-check made from it
-# ----------------------------------------------------------------------------------------------------------------------
-#: LisaConfig settings that PEFT's LoraConfig has too, and their names there: what --method lora / dora use
-LORA_CONFIG_NAMES = {
-    "r": "r",
-    "lisa_alpha": "lora_alpha",
-    "lisa_dropout": "lora_dropout",
-    "target_modules": "target_modules",
-    "exclude_modules": "exclude_modules",
-    "layers_to_transform": "layers_to_transform",
-    "layers_pattern": "layers_pattern",
-    "modules_to_save": "modules_to_save",
-    "rank_pattern": "rank_pattern",
-    "alpha_pattern": "alpha_pattern",
-}
-_LAYERWISE = ("lisa", "lisa-adapter")
-
-#: option -> the methods that use it. An option is *given* when its value differs from its default, whether it comes
-#: from the command line, a config file or Python; a given option that the method does not use is refused.
-OPTION_METHODS: dict[str, tuple[str, ...]] = {
-    # every LisaConfig setting configures a LISA adapter; the ones LoraConfig shares configure LoRA and DoRA too
-    **{
-        name: ADAPTER_METHODS if name in LORA_CONFIG_NAMES else ("lisa-adapter",)
-        for name in LISA_CONFIG_OPTIONS
-    },
-    # the layer schedule: both LISA forms (full-parameter LISA runs it through LisaCallback)
-    "lisa_activated_layers": _LAYERWISE,
-    "lisa_interval_steps": _LAYERWISE,
-    "lisa_sampling": _LAYERWISE,
-    "lisa_optimizer_state_policy": _LAYERWISE,
-    "lisa_always_trainable": ("lisa",),
-    # every method finds the block list: monitoring and layer-wise LR decay use it too
-    "lisa_layers_attribute": METHODS,
-    **dict.fromkeys(
-        ("layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
-         "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "push_mode"),
-        METHODS,
-    ),
-    # AdamW stepped in the backward pass: the full-parameter methods (hf_lisa.train.memory)
-    "optim_step_in_backward": STEP_IN_BACKWARD_METHODS,
-    "cpu_allocator": METHODS,
-    "optim_8bit_embeddings": METHODS,
-    "chunked_loss": METHODS,
-}
-
-
-def method_defaults(method: str) -> dict[str, Any]:
-    """The defaults of the settings whose default depends on the method, from the Python API they match:
-    ``--method lisa`` takes ``LisaCallback``'s γ (:data:`~hf_lisa.tuner.config.FULL_LISA_ACTIVATED_LAYERS`),
-    ``--method lisa-adapter`` ``LisaConfig``'s."""
-    if method == "lisa":
-        return {"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS}
-    if method == "lisa-adapter":
-        return {"lisa_activated_layers": LisaConfig.__dataclass_fields__["lisa_activated_layers"].default}
-    return {}
-
-
-def resolve_method_defaults(lisa_args) -> None:
-    """Fill the settings left unset (``None``) with :func:`method_defaults` of ``lisa_args.method``."""
-    for name, default in method_defaults(lisa_args.method).items():
-        if getattr(lisa_args, name) is None:
-            setattr(lisa_args, name, default)
-
-
-def given_options(lisa_args) -> dict[str, Any]:
-    """The options of ``lisa_args`` (``method`` aside) whose value differs from their default.
-
-    A setting whose default depends on the method (γ: 2 for ``lisa``, 0 for ``lisa-adapter``) is not given at any of
-    those defaults, so that a config file shared by several methods may state them."""
-    per_method = [method_defaults(method) for method in METHODS]
-    given = {}
-    for f in dataclasses.fields(lisa_args):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        defaults = [default, *(d[f.name] for d in per_method if f.name in d)]
-        value = getattr(lisa_args, f.name)
-        if f.name != "method" and value not in defaults:
-            given[f.name] = value
-    return given
-
-
-def check_method_options(lisa_args) -> None:
-    """Refuse the given options that ``lisa_args.method`` does not use, naming them, the method and what it uses."""
-    method = lisa_args.method
-    refused = {name: value for name, value in given_options(lisa_args).items() if method not in OPTION_METHODS[name]}
-    if not refused:
-        return
-    listed = ", ".join(f"--{name}={value!r} (used by {', '.join(OPTION_METHODS[name])})" for name, value in
-                       refused.items())
-    own = [f"--{name}" for name, methods in OPTION_METHODS.items() if method in methods and methods != METHODS]
-    uses = f"its own options are {', '.join(own)}" if own else "it has no options of its own"
-    raise ValueError(
-        f"--method {method} does not use {listed}; {uses}, besides those every method takes. Remove the option(s), "
-        "or choose a method that uses them."
-    )
-
-
-
 #: the summary's names of the schedule settings (``training_summary.json`` and the model card read these)
 _SUMMARY_NAMES = {
     "lisa_activated_layers": "activated_layers",
@@ -192,7 +84,7 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
     return {
         _SUMMARY_NAMES.get(name, name): value
         for name, value in settings.items()
-        if lisa_args.method in OPTION_METHODS[name]
+        if uses(lisa_args.method, name)
     }
 
 
@@ -202,11 +94,9 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
     The LISA settings go in whole: to a ``LisaConfig`` for ``lisa-adapter``, the layer schedule to ``LisaCallback``
     for full-parameter ``lisa``, and the ones ``LoraConfig`` shares (:data:`LORA_CONFIG_NAMES`) to LoRA / DoRA.
     """
-    method = lisa_args.method
+    method = get_method(lisa_args.method)
     settings = lisa_config_kwargs(lisa_args)
-    if method == "full":
-        return model, []
-    if method == "lisa":
+    if method.samples_base_blocks:
         from hf_lisa.trainer_callbacks import LisaCallback
 
         callback = LisaCallback(
@@ -219,10 +109,12 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
             layers_attribute=settings["lisa_layers_attribute"],
         )
         return model, [callback]
+    if not method.is_adapter:
+        return model, []
 
     from peft import get_peft_model
 
-    if method == "lisa-adapter":
+    if method.is_lisa_adapter:
         from hf_lisa.trainer_callbacks import LisaAdapterCallback
 
         from ..tuner.config import LisaConfig
@@ -234,4 +126,4 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
     from peft import LoraConfig
 
     lora = {LORA_CONFIG_NAMES[name]: value for name, value in settings.items() if name in LORA_CONFIG_NAMES}
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", use_dora=method == "dora", **lora)), []
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", use_dora=method.use_dora, **lora)), []

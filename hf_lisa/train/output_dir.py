@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import UsageError
 from ..hub.summary import TRAINING_SUMMARY_NAME
+from ..methods import FULL, METHODS, method_of_adapter
 from ..scheduler.state import LISA_STATE_FILE
 from ..trainer_callbacks.state import stored_schedule_settings
 
@@ -46,8 +47,8 @@ MODEL_FILE_PATTERNS = WEIGHT_PATTERNS + (
 #: ``--resume_from_checkpoint`` values that mean the newest complete checkpoint of ``--output_dir``
 LATEST = ("latest", "true")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-#: the LISA callback whose schedule a checkpoint of each LISA method holds
-_SCHEDULE_CALLBACKS = {"lisa": "LisaCallback", "lisa-adapter": "LisaAdapterCallback"}
+#: the LISA callback whose schedule a checkpoint of each LISA method holds, by the registry's ``schedule``
+_SCHEDULE_CALLBACKS = {"blocks": "LisaCallback", "adapter": "LisaAdapterCallback"}
 
 
 @dataclass
@@ -144,16 +145,17 @@ def _resolve_resume(value, output_dir: str) -> Optional[str]:
 
 def _checkpoint_method(checkpoint: str, schedules: dict) -> str:
     """The ``--method`` that wrote ``checkpoint``: from its LISA schedule, else from its adapter config."""
-    for method, callback in _SCHEDULE_CALLBACKS.items():
-        if callback in schedules:
-            return method
+    for method in METHODS.values():
+        if _SCHEDULE_CALLBACKS.get(method.schedule) in schedules:
+            return method.name
     adapter_config = os.path.join(checkpoint, "adapter_config.json")
     if not os.path.isfile(adapter_config):
-        return "full"
+        return FULL.name
     with open(adapter_config) as f:
         config = json.load(f)
-    if config.get("peft_type") == "LORA":
-        return "dora" if config.get("use_dora") else "lora"
+    method = method_of_adapter(config)
+    if method is not None and not METHODS[method].samples_layers:
+        return method
     return f"a {config.get('peft_type')} adapter without a LISA schedule"
 
 

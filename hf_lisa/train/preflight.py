@@ -16,6 +16,7 @@ import os
 import warnings
 
 from ..errors import UsageError
+from ..methods import get_method
 from .arguments import LisaArguments, ModelArguments
 from .methods import apply_method, resolve_model_path
 
@@ -155,8 +156,9 @@ def check_on_meta_model(model, lisa_args: LisaArguments, seed: int, label: str) 
     where = label
 
     def check_gamma(num_blocks: int) -> None:
-        if method in ("lisa", "lisa-adapter"):
-            check_lisa_settings({"lisa_activated_layers": gamma}, where="--", allow_every_block=method != "lisa",
+        if get_method(method).samples_layers:
+            check_lisa_settings({"lisa_activated_layers": gamma}, where="--",
+                                allow_every_block=not get_method(method).samples_base_blocks,
                                 num_blocks=num_blocks)
 
     try:

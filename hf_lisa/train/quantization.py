@@ -17,11 +17,12 @@ from dataclasses import field
 from typing import Any, Optional
 
 from ..errors import UsageError
+from ..methods import get_method, method_names
 
 logger = logging.getLogger("hf_lisa.train")
 
 #: the methods that train adapters beside the frozen base, and so work on a quantized one
-QUANTIZABLE_METHODS = ("lisa-adapter", "lora", "dora")
+QUANTIZABLE_METHODS = method_names(lambda m: m.is_adapter)
 BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -85,7 +86,7 @@ def check_quantization(model_args, lisa_args) -> None:
     option = "--load_in_4bit" if four else "--load_in_8bit"
     method = lisa_args.method
     if method not in QUANTIZABLE_METHODS:
-        what = ("trains the base weights of the sampled blocks in place" if method == "lisa"
+        what = ("trains the base weights of the sampled blocks in place" if get_method(method).samples_base_blocks
                 else "trains every base weight")
         raise UsageError(
             f"{option} cannot be used with --method {method}: it {what}, and bitsandbytes' quantized weights are "

@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .arguments import ADAPTER_METHODS, DataArguments, LisaArguments, ModelArguments, parse_args
+from ..methods import get_method
+from .arguments import DataArguments, LisaArguments, ModelArguments, parse_args
 from .evaluation import (
     _metrics_line,
     compute_metrics,
@@ -18,7 +19,7 @@ from .evaluation import (
     generation_rows,
     preprocess_logits_for_metrics,
 )
-from .memory import apply_cpu_allocator
+from ..optim.memory import apply_cpu_allocator
 from .methods import apply_method, lisa_knobs, load_model_and_tokenizer, resolve_model_path
 from .outputs import (
     LOSS_PLOT_NAME,
@@ -136,7 +137,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         )
     chat = data_lib.use_chat_template(tokenizer, data_args.chat_template)
     model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
-    if training_args.gradient_checkpointing and lisa_args.method in ADAPTER_METHODS:
+    if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
 
@@ -220,7 +221,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
 
     # -- outputs -------------------------------------------------------------------------------------------------------
     output_dir = training_args.output_dir
-    saved_mode = "adapter" if lisa_args.method in ADAPTER_METHODS else "merged"
+    saved_mode = "adapter" if get_method(lisa_args.method).is_adapter else "merged"
     # everything goes to a staging folder, moved into output_dir once complete: a crash leaves no half model
     with staged_final_model(output_dir, training_args.should_save) as staging:
         save_final_model(trainer, trainer.model, tokenizer, staging, lisa_args.method)

@@ -13,11 +13,11 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
-from ..scheduler.step_in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
+from ..optim.in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
 from ..trainer_callbacks.progress import TrainingProgressGuard
 from ..trainer_callbacks.state import ScheduleCheckpoint
-from .loss import install_chunked_loss
-from .memory import (
+from ..optim.chunked_loss import install_chunked_loss
+from ..optim.memory import (
     apply_cpu_allocator,
     configure_embedding_state,
     heap_trim,
@@ -94,16 +94,16 @@ class LisaTrainer(Trainer):
     starts, i.e. before the LISA callbacks freeze anything: every candidate block has its parameter group. With
     ``layerwise_lr_decay=1.0`` (the default) it builds exactly ``transformers.Trainer``'s optimizer.
 
-    With ``optim_step_in_backward=True`` the optimizer is [`~hf_lisa.scheduler.step_in_backward.AdamWInBackward`]:
-    AdamW updates each parameter inside the backward pass and frees its gradient (see :mod:`hf_lisa.train.memory`
+    With ``optim_step_in_backward=True`` the optimizer is [`~hf_lisa.optim.in_backward.AdamWInBackward`]:
+    AdamW updates each parameter inside the backward pass and frees its gradient (see :mod:`hf_lisa.optim.memory`
     for what that excludes); its hooks are armed during ``train()`` only, and the logged ``grad_norm`` is the norm
     the hooks measured.
 
-    Two memory options (see :mod:`hf_lisa.train.memory`): ``chunked_loss=True`` (the default) gives a causal LM
-    whose loss is transformers' own :func:`~hf_lisa.train.loss.chunked_causal_lm_loss` as its ``loss_function`` (the
+    Two memory options (see :mod:`hf_lisa.optim.memory`): ``chunked_loss=True`` (the default) gives a causal LM
+    whose loss is transformers' own :func:`~hf_lisa.optim.chunked_loss.chunked_causal_lm_loss` as its ``loss_function`` (the
     same value without the vocabulary-sized temporaries), and ``cpu_allocator="trim"`` returns the heap's free pages
     to the system at the two points of each CPU backward pass where the peak forms (``"lean"`` applies
-    [`~hf_lisa.train.memory.apply_cpu_allocator`]).
+    [`~hf_lisa.optim.memory.apply_cpu_allocator`]).
 
     Args:
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).

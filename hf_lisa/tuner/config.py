@@ -8,16 +8,14 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 from peft.config import PeftConfig
 
+from ..methods import ADAPTER_ACTIVATED_LAYERS, FULL_LISA_ACTIVATED_LAYERS  # noqa: F401 (γ's defaults, per method)
 from .masks import SPARSITY_STRUCTURES
 from .peft_type import PEFT_TYPE_LISA
 
 MASK_INITS = ("importance", "magnitude", "random", "dense")
 LAYER_SAMPLING_STRATEGIES = ("uniform", "importance", "cyclic")
-#: what happens to the optimizer state of blocks that leave the active set (see hf_lisa.scheduler.optim_state)
+#: what happens to the optimizer state of blocks that leave the active set (see hf_lisa.optim.state)
 OPTIMIZER_STATE_POLICIES = ("drop", "keep")
-#: γ of full-parameter LISA (``LisaCallback``, ``hf-lisa train --method lisa``): the paper's and LMFlow's 2. The adapter
-#: form's default is ``LisaConfig.lisa_activated_layers`` (0: every block's adapter trains and no schedule is needed).
-FULL_LISA_ACTIVATED_LAYERS = 2
 #: the layer schedule's settings that only take effect when blocks are sampled (γ >= 1), with their defaults
 LAYER_SCHEDULE_DEFAULTS = {"lisa_interval_steps": 20, "lisa_sampling": "uniform", "lisa_optimizer_state_policy": "drop"}
 
@@ -327,7 +325,7 @@ class LisaConfig(PeftConfig):
         default=0.01, metadata={"help": "lambda of the L2 penalty lambda * sum(beta_l^2) added to the training loss."}
     )
     lisa_activated_layers: int = field(
-        default=0,
+        default=ADAPTER_ACTIVATED_LAYERS,
         metadata={
             "help": "gamma: number of blocks trained at a time (their adapters, in the adapter form); 0 trains every "
             "block's adapter, like LoRA, and needs no schedule (full-parameter LISA defaults to 2). With 0, "

@@ -2,13 +2,13 @@
 and ``--chunked_loss``.
 
 * ``--optim_step_in_backward``: AdamW stepped inside the backward pass, one parameter at a time, its gradient freed at
-  once ([`hf_lisa.scheduler.step_in_backward.AdamWInBackward`]: plain AdamW's groups, state and update, so the LR
+  once ([`hf_lisa.optim.in_backward.AdamWInBackward`]: plain AdamW's groups, state and update, so the LR
   schedule, LISA's state dropping, layer-wise LR decay and checkpoints work as with ``--optim adamw_torch``, and a run
   follows the plain one step for step). What it gives up is everything that needs all gradients before the update:
   see :func:`check_step_in_backward`. With ``--optim adamw_bnb_8bit`` the optimizer is bitsandbytes' 8-bit AdamW
-  stepped the same way ([`hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`]).
+  stepped the same way ([`hf_lisa.optim.adamw_8bit.AdamW8bitInBackward`]).
 * bitsandbytes' 8-bit AdamW (``--optim adamw_bnb_8bit``), with or without the step in backward, is
-  [`hf_lisa.scheduler.step_in_backward_8bit.SlicedAdamW8bit`]: its CPU update a slice at a time, bit for bit the
+  [`hf_lisa.optim.adamw_8bit.SlicedAdamW8bit`]: its CPU update a slice at a time, bit for bit the
   same, without five fp32 copies of the parameter beside it. ``--optim_8bit_embeddings`` keeps the embedding's state
   (a tied E/H) in 8 bits too, where transformers keeps it in 32 (:func:`configure_embedding_state`).
 * ``--cpu_allocator``: on CPU, the C allocator decides how much freed memory the process keeps. glibc's ``malloc``
@@ -22,7 +22,7 @@ and ``--chunked_loss``.
   of each new one. Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/compare.py --cpu-allocator``):
   ``trim`` gave full-parameter LISA 0.90× the peak RSS (1.11× its floor instead of 1.28×) at 1.17× the step time
   (16 steps); ``lean`` 0.90× at 1.34×, and full fine-tuning 0.90× at 1.49×. Both are opt-in.
-* ``--chunked_loss``: the causal-LM loss without its vocabulary-sized temporaries (:mod:`hf_lisa.train.loss`).
+* ``--chunked_loss``: the causal-LM loss without its vocabulary-sized temporaries (:mod:`hf_lisa.optim.chunked_loss`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from typing import Any, Optional
 import torch
 
 from ..errors import UsageError
-from ..scheduler.step_in_backward import IN_BACKWARD_OPTIMS, AdamWInBackward, check_in_backward_arguments
+from ..methods import get_method, method_names
+from .in_backward import IN_BACKWARD_OPTIMS, AdamWInBackward, check_in_backward_arguments
 
 #: the methods that use the option (full-parameter updates, where gradients are the size of the weights that train)
-STEP_IN_BACKWARD_METHODS = ("lisa", "full")
+STEP_IN_BACKWARD_METHODS = method_names(lambda m: m.trains_weights)
 #: ``--optim`` values whose update the step in backward reproduces
 STEP_IN_BACKWARD_OPTIMS = IN_BACKWARD_OPTIMS
 OPTION = "optim_step_in_backward"
@@ -220,7 +221,7 @@ def check_step_in_backward(lisa_args, training_args) -> None:
         return
     check_in_backward_arguments(training_args, cli=True)  # the rules LisaTrainer and the callbacks run too
     flag = f"--{OPTION}"
-    if lisa_args.method == "lisa" and getattr(lisa_args, "lisa_sampling", "uniform") == "importance":
+    if get_method(lisa_args.method).samples_layers and getattr(lisa_args, "lisa_sampling", "uniform") == "importance":
         raise UsageError(
             f"{flag} frees every gradient as it is applied, so --lisa_sampling=importance (which reads the "
             "gradients after the backward pass) cannot see them; allowed with it: uniform, cyclic."
@@ -230,14 +231,14 @@ def check_step_in_backward(lisa_args, training_args) -> None:
 def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None) -> tuple[type, dict]:
     """``(class, kwargs)`` for ``trainer``'s arguments: the keyword arguments ``Trainer.create_optimizer`` would use
     for ``--optim adamw_torch[_fused]`` or ``adamw_bnb_8bit``, with the class replaced by
-    :class:`~hf_lisa.scheduler.step_in_backward.AdamWInBackward` or
-    :class:`~hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`.
+    :class:`~hf_lisa.optim.in_backward.AdamWInBackward` or
+    :class:`~hf_lisa.optim.adamw_8bit.AdamW8bitInBackward`.
 
     Raises:
         ValueError: the Trainer was given another optimizer (``optimizers=`` or ``optimizer_cls_and_kwargs=``), its
             ``--optim`` is not one of those, or it runs on more than one process, DeepSpeed or FSDP.
     """
-    from ..scheduler.step_in_backward import StepsInBackward
+    from .in_backward import StepsInBackward
 
     args = trainer.args
     if trainer.accelerator.num_processes > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
@@ -257,7 +258,7 @@ def step_in_backward_optimizer(trainer, model: Optional[torch.nn.Module] = None)
     if optimizer_cls is torch.optim.AdamW:
         return AdamWInBackward, dict(kwargs)
     if _is_bnb_adamw_8bit(optimizer_cls, kwargs):
-        from ..scheduler.step_in_backward_8bit import AdamW8bitInBackward
+        from .adamw_8bit import AdamW8bitInBackward
 
         return AdamW8bitInBackward, dict(kwargs)
     raise ValueError(
@@ -276,14 +277,14 @@ def _is_bnb_adamw_8bit(optimizer_cls: Any, kwargs: dict) -> bool:
 
 def sliced_8bit_optimizer(trainer, model: Optional[torch.nn.Module] = None) -> Optional[tuple[type, dict]]:
     """``(SlicedAdamW8bit, kwargs)`` where the Trainer would build bitsandbytes' 8-bit AdamW (bit for bit the same
-    update, without whole-parameter fp32 temporaries on CPU: :mod:`hf_lisa.scheduler.step_in_backward_8bit`);
+    update, without whole-parameter fp32 temporaries on CPU: :mod:`hf_lisa.optim.adamw_8bit`);
     ``None`` otherwise, or when the Trainer was given its optimizer."""
     if trainer.optimizer_cls_and_kwargs is not None or trainer.is_deepspeed_enabled:
         return None
     optimizer_cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
     if not _is_bnb_adamw_8bit(optimizer_cls, kwargs):
         return None
-    from ..scheduler.step_in_backward_8bit import SlicedAdamW8bit
+    from .adamw_8bit import SlicedAdamW8bit
 
     return SlicedAdamW8bit, dict(kwargs)
 
@@ -296,7 +297,7 @@ def configure_embedding_state(optimizer, model: torch.nn.Module, eight_bit: bool
     Raises:
         ValueError: ``eight_bit`` with an optimizer whose state is not 8-bit.
     """
-    from ..scheduler.optim_state import unwrap_optimizer
+    from .state import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     bnb = sys.modules.get("bitsandbytes")  # an 8-bit optimizer exists only where bitsandbytes was imported
@@ -307,7 +308,7 @@ def configure_embedding_state(optimizer, model: torch.nn.Module, eight_bit: bool
             raise ValueError(f"optim_8bit_embeddings=True needs a bitsandbytes 8-bit optimizer; this Trainer's is "
                              f"{type(inner).__name__}. Use optim='adamw_bnb_8bit' or drop the option.")
         return None
-    from ..scheduler.step_in_backward_8bit import set_embedding_state_bits
+    from .adamw_8bit import set_embedding_state_bits
 
     bits = 8 if eight_bit else 32
     count = set_embedding_state_bits(model, bits)

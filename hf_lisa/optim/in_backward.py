@@ -3,7 +3,7 @@ complete, and its gradient is freed at once.
 
 This is PyTorch's "optimizer step in backward" recipe (a ``register_post_accumulate_grad_hook`` per parameter) in the
 shape of an ordinary ``torch.optim.AdamW``: its ``param_groups`` and ``state`` are AdamW's own, so an LR scheduler,
-LISA's state dropping for deactivated blocks (:mod:`hf_lisa.scheduler.optim_state`) and checkpoints of
+LISA's state dropping for deactivated blocks (:mod:`hf_lisa.optim.state`) and checkpoints of
 ``optimizer.state_dict()`` (loadable by plain ``AdamW`` and back) work unchanged. The update of each parameter is
 AdamW's (torch's functional ``adamw`` with the group's hyperparameters), so a run with it follows a run with plain
 ``AdamW`` exactly: the order of the updates differs, not their values.
@@ -27,7 +27,7 @@ What it cannot do, because every gradient is consumed as it arrives:
 Example:
     ```py
     >>> import torch
-    >>> from hf_lisa.scheduler.step_in_backward import AdamWInBackward
+    >>> from hf_lisa.optim.in_backward import AdamWInBackward
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = AdamWInBackward(model.parameters(), lr=1e-2)
     >>> model(torch.ones(3, 4)).sum().backward()  # the update happens here
@@ -237,9 +237,9 @@ class AdamWInBackward(StepsInBackward, torch.optim.AdamW):
 
 def steps_in_backward(optimizer: Any) -> Optional[StepsInBackward]:
     """The optimizer that steps in backward (:class:`AdamWInBackward`, or
-    :class:`~hf_lisa.scheduler.step_in_backward_8bit.AdamW8bitInBackward`) behind ``optimizer`` (through
+    :class:`~hf_lisa.optim.adamw_8bit.AdamW8bitInBackward`) behind ``optimizer`` (through
     accelerate's wrapper), or ``None``."""
-    from .optim_state import unwrap_optimizer
+    from .state import unwrap_optimizer
 
     if optimizer is None:
         return None

@@ -11,7 +11,7 @@ overrides and update:
   read their own block, so the result is bit for bit the update of the whole tensor. On a GPU, and for parameters in
   32-bit state (under ``min_8bit_size``, or overridden), it is bitsandbytes' own update.
 * :class:`AdamW8bitInBackward`: :class:`SlicedAdamW8bit` whose update of each parameter runs in the backward pass,
-  as :class:`~hf_lisa.scheduler.step_in_backward.AdamWInBackward` does for torch's AdamW (same hooks, arming, and
+  as :class:`~hf_lisa.optim.in_backward.AdamWInBackward` does for torch's AdamW (same hooks, arming, and
   refusals).
 
 transformers' Trainer keeps ``nn.Embedding`` weights (and so a tied embedding/LM head) in 32-bit state under a
@@ -36,7 +36,7 @@ from bitsandbytes import functional as F
 from bitsandbytes.optim import AdamW as _BnbAdamW
 from bitsandbytes.optim import GlobalOptimManager
 
-from .step_in_backward import StepsInBackward
+from .in_backward import StepsInBackward
 
 __all__ = ["AdamW8bitInBackward", "SlicedAdamW8bit", "set_embedding_state_bits", "QUANT_BLOCK"]
 
@@ -117,7 +117,7 @@ class SlicedAdamW8bit(_BnbAdamW):
 class AdamW8bitInBackward(StepsInBackward, SlicedAdamW8bit):
     """:class:`SlicedAdamW8bit` whose update of each parameter runs in the backward pass, as soon as its gradient is
     accumulated; the gradient is then set to ``None``. Hooks, arming and refusals are
-    :class:`~hf_lisa.scheduler.step_in_backward.StepsInBackward`'s (see ``AdamWInBackward``).
+    :class:`~hf_lisa.optim.in_backward.StepsInBackward`'s (see ``AdamWInBackward``).
     """
 
     def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:

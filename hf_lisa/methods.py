@@ -1,0 +1,130 @@
+"""The training methods of hf-lisa, in one table: what each trains, which of its settings differ by method, and how it
+is built. The CLI's ``--method`` choices, the option table of ``hf-lisa train``
+(:data:`hf_lisa.train.options.OPTION_METHODS`), the model card and the resume checks all ask this module; no other
+module spells a method's name.
+
+A method is described by what it *is*, not by a branch per name elsewhere:
+
+* ``adapter_type``: the PEFT type of the adapter it trains beside a frozen base (``"LISA"``, ``"LORA"``), or ``None``
+  when it trains the base weights themselves (saved as full weights, not quantizable, eligible for the optimizer
+  step in the backward pass);
+* ``schedule``: which LISA schedule runs it: ``"blocks"`` (full-parameter LISA, ``LisaCallback``: E+H+γL), ``"adapter"``
+  (``LisaAdapterCallback`` over ``LisaConfig`` adapters), or ``None``;
+* ``defaults``: the settings whose default depends on the method (γ: 2 blocks for full-parameter LISA, which needs at
+  least one; 0 for the adapter form, where every block's adapter trains and no schedule is needed).
+
+A new method is one more :class:`Method` in :data:`METHODS`; ``hf_lisa.train.methods.apply_method`` builds it from
+these fields.
+
+Example:
+    ```py
+    >>> from hf_lisa.methods import get_method, method_names
+    >>> get_method("lora").is_adapter, method_names(lambda m: m.trains_weights)
+    (True, ('lisa', 'full'))
+    ```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import UsageError
+
+#: γ of full-parameter LISA when none is given (LisaCallback's default; the paper's E+H+2L)
+FULL_LISA_ACTIVATED_LAYERS = 2
+#: γ of LISA adapters when none is given: every block's adapter trains, no layer schedule
+ADAPTER_ACTIVATED_LAYERS = 0
+
+
+@dataclass(frozen=True)
+class Method:
+    """One training method of ``hf-lisa train`` (see the module docstring for the fields' meaning)."""
+
+    name: str
+    title: str
+    help: str
+    adapter_type: Optional[str] = None
+    use_dora: bool = False
+    schedule: Optional[str] = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_adapter(self) -> bool:
+        """Trains a PEFT adapter beside a frozen base: saved adapter-only, works on a quantized base."""
+        return self.adapter_type is not None
+
+    @property
+    def trains_weights(self) -> bool:
+        """Trains the base weights in place: saved as full weights; may step its optimizer in the backward pass."""
+        return self.adapter_type is None
+
+    @property
+    def is_lisa_adapter(self) -> bool:
+        """Trains ``hf_lisa.LisaConfig`` adapters: every ``LisaConfig`` setting applies."""
+        return self.adapter_type == "LISA"
+
+    @property
+    def samples_layers(self) -> bool:
+        """Runs a LISA layer schedule (γ, K, sampling, optimizer-state policy apply)."""
+        return self.schedule is not None
+
+    @property
+    def samples_base_blocks(self) -> bool:
+        """Full-parameter LISA: the sampled blocks' base weights train, so γ >= 1 and the always-trainable modules
+        (E+H) apply."""
+        return self.schedule == "blocks"
+
+
+METHODS: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
+    Method("lisa", "full-parameter LISA: sampled blocks train in place",
+           "full-parameter layerwise sampling, saves full weights", schedule="blocks",
+           defaults=MappingProxyType({"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS})),
+    Method("lisa-adapter", "LISA adapters: sparse low-rank updates, layerwise sampled",
+           "LISA PEFT adapters: sparsity, interpolation, sampling", adapter_type="LISA", schedule="adapter",
+           defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS})),
+    Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA"),
+    Method("dora", "DoRA", "PEFT DoRA (LoRA with use_dora)", adapter_type="LORA", use_dora=True),
+    Method("full", "full fine-tuning", "every weight trains"),
+)})
+#: the method ``hf-lisa train`` runs when none is given
+DEFAULT_METHOD = "lisa"
+#: full-parameter LISA and the LISA adapter form, by name (for code that builds exactly these, e.g. the demo)
+FULL_LISA, LISA_ADAPTER, FULL = METHODS["lisa"], METHODS["lisa-adapter"], METHODS["full"]
+
+
+def method_names(where: Optional[Callable[[Method], bool]] = None) -> tuple[str, ...]:
+    """The names of the methods (in the table's order), optionally only those for which ``where(method)`` holds."""
+    return tuple(name for name, method in METHODS.items() if where is None or where(method))
+
+
+def get_method(name: str, *, field_name: str = "--method") -> Method:
+    """The method called ``name``; a :class:`~hf_lisa.errors.UsageError` naming the field and the allowed names
+    otherwise."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise UsageError(f"{field_name}={name!r} is invalid; allowed: {', '.join(METHODS)}.") from None
+
+
+def method_of_adapter(adapter_config: Mapping[str, Any]) -> Optional[str]:
+    """The method that trains adapters of ``adapter_config`` (a PEFT ``adapter_config.json``), or ``None`` when no
+    method of this table does (another PEFT type)."""
+    peft_type = str(adapter_config.get("peft_type", "")).upper()
+    use_dora = bool(adapter_config.get("use_dora"))
+    for name, method in METHODS.items():
+        if method.adapter_type == peft_type and (method.use_dora == use_dora or peft_type != "LORA"):
+            return name
+    return None
+
+
+def method_defaults(name: str) -> dict[str, Any]:
+    """The settings whose default depends on method ``name`` (γ), e.g. ``{"lisa_activated_layers": 2}``."""
+    return dict(get_method(name).defaults)
+
+
+__all__ = [
+    "ADAPTER_ACTIVATED_LAYERS", "DEFAULT_METHOD", "FULL", "FULL_LISA", "FULL_LISA_ACTIVATED_LAYERS", "LISA_ADAPTER",
+    "METHODS", "Method", "get_method", "method_defaults", "method_names", "method_of_adapter",
+]
