@@ -176,7 +176,7 @@ def test_first_mask_is_selected_from_calibration_gradients(tiny_llama, token_dat
         expected = M.select_mask(scores[name.removeprefix("base_model.model.")], "block", 0.5, (2, 2), pooled=True)
         assert torch.equal(layer.get_mask("default"), expected), name
         assert not torch.equal(expected, magnitude[name])
-        assert not layer.lisa_track_importance and "default" not in layer.lisa_importance
+        assert not layer.lisa_track_importance and not layer.lisa_gradient_sinks
 
 
 def test_importance_does_not_depend_on_the_accumulation_split(tiny_llama, token_dataset, training_args):
@@ -209,14 +209,14 @@ def test_new_block_bonus_protects_cells_switched_on_at_the_previous_update(tiny_
     scheduler.keep_learned = 0.0  # B = 0 here anyway; score by the importance alone
     scheduler.fresh[name] = False  # a re-selection, not the first calibration
     first = torch.rand(grid0.shape, generator=gen)
-    layer.lisa_importance["default"] = first.clone()
+    scheduler.importance[name] = first.clone()
     scheduler.select(4, [name])
     grid1 = layer.get_mask("default")[::2, ::2].clone()
     new1 = grid1 & ~grid0
     assert torch.equal(scheduler.new_cells[name], new1) and new1.any()
 
     second = torch.rand(grid0.shape, generator=gen)
-    layer.lisa_importance["default"] = second.clone()
+    scheduler.importance[name] = second.clone()
     scheduler.select(8, [name])
     boosted = M.add_new_block_bonus(M.reselection_scores(second, torch.zeros_like(second), 0.0), grid1, new1, 0.5)
     assert torch.equal(layer.get_mask("default"), M.select_mask(boosted, "block", 0.5, (2, 2), pooled=True))
@@ -360,7 +360,7 @@ class _ClipReference(TrainerCallback):
         applied = {n: p for n, p in model.named_parameters()
                    if p.requires_grad and id(p) not in withheld and not self._stray(n)}
         after = _snapshot(model)
-        tracking = [layer.lisa_track_importance for _, layer in masks.layers] if masks is not None else []
+        tracking = [masks.is_tracking(layer) for _, layer in masks.layers] if masks is not None else []
         if masks is not None:
             masks.set_tracking(False)
         params = dict(model.named_parameters())
@@ -393,8 +393,8 @@ class _ClipReference(TrainerCallback):
             for name, value in after.items():
                 params[name].copy_(value)
         model.zero_grad(set_to_none=True)
-        for (_, layer), flag in zip(masks.layers if masks is not None else [], tracking):
-            layer.lisa_track_importance = flag
+        for (name, layer), flag in zip(masks.layers if masks is not None else [], tracking):
+            masks.track(name, layer, flag)
 
 
 CLIP_CASES = {

@@ -10,6 +10,8 @@ the opt-in fused path, which rounds differently and is compared with a stated to
 
 from __future__ import annotations
 
+import functools
+
 import types
 from contextlib import contextmanager
 
@@ -34,6 +36,23 @@ def old_mask(layer: LisaLayer, name: str) -> torch.Tensor:
     return M.expand_grid(M.unpack_mask(layer.lisa_mask[name], grid_shape), spec["structure"], spec["block_size"])
 
 
+def _add(sums: dict, name: str, grad: torch.Tensor) -> None:
+    grad = grad.detach().float()
+    sums[name] = grad.clone() if name not in sums else sums[name].add_(grad)
+
+
+def measure(layer: LisaLayer) -> None:
+    """Hand every adapter's ``dL/dW`` in ``layer``'s backward passes to a dict (:func:`sums`), summed per adapter, as
+    the mask scheduler does with its own."""
+    layer._test_sums = {}
+    for name in list(layer.lisa_A):
+        layer.lisa_gradient_sinks[name] = functools.partial(_add, layer._test_sums, name)
+
+
+def sums(layer: LisaLayer) -> dict:
+    return getattr(layer, "_test_sums", {})
+
+
 def old_add_adapter_outputs(self: LisaLayer, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``LisaLayer.add_adapter_outputs`` as it was before the sparse path was rewritten."""
     result_dtype = result.dtype
@@ -46,8 +65,9 @@ def old_add_adapter_outputs(self: LisaLayer, result: torch.Tensor, x: torch.Tens
             delta = self.lisa_B[name].weight @ self.lisa_A[name].weight
             delta = delta * old_mask(self, name).to(delta.device)
             delta = delta * self.scaling[name]
-            if self.lisa_track_importance and delta.requires_grad:
-                delta.register_hook(lambda g, name=name: self._accumulate_gradient(name, g))
+            sink = self.lisa_gradient_sinks.get(name)
+            if sink is not None and delta.requires_grad:
+                delta.register_hook(sink)
             result = result + F.linear(h, delta.to(h.dtype))
         else:
             result = result + self.lisa_B[name](lisa_A(h)) * self.scaling[name]
@@ -96,7 +116,7 @@ def run_layer(layer: Linear, x: torch.Tensor, old: bool, autocast: bool = False)
     """Forward and backward of ``layer`` on a copy of ``x``; returns output, dx, dA and dB of every adapter, and the
     importance sums."""
     layer.zero_grad(set_to_none=True)
-    layer.lisa_grad_sum.clear()
+    sums(layer).clear()
     leaf = x.detach().clone().requires_grad_()
     # an activation, as inside a model: autocast caches the casts of leaves that require grad, which couples the
     # base's and the adapter's dx (a test artefact, not a case a model produces)
@@ -106,7 +126,7 @@ def run_layer(layer: Linear, x: torch.Tensor, old: bool, autocast: bool = False)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
     (out * weights).sum().backward()
     grads = {n: p.grad for n, p in layer.named_parameters() if p.requires_grad}
-    return out, leaf.grad, grads, dict(layer.lisa_grad_sum)
+    return out, leaf.grad, grads, dict(sums(layer))
 
 
 @contextmanager
@@ -167,7 +187,7 @@ def test_mask_from_packed_bits_is_the_product_with_the_expanded_mask(structure, 
 @pytest.mark.parametrize("structure", sorted(STRUCTURES))
 def test_layer_matches_old_graph_bitwise(structure, precision):
     layer = sparse_layer(structure, torch.bfloat16 if precision == "bf16" else torch.float32)
-    layer.lisa_track_importance = True
+    measure(layer)
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1)).to(layer.base_layer.weight.dtype)
     new = run_layer(layer, x, old=False, autocast=precision == "autocast")
     old = run_layer(layer, x, old=True, autocast=precision == "autocast")
@@ -177,7 +197,7 @@ def test_layer_matches_old_graph_bitwise(structure, precision):
 
 def test_frozen_adapter_passes_dx_only_and_tracks_nothing():
     layer = sparse_layer()
-    layer.lisa_track_importance = True  # A and B frozen: the old graph registered no hook either
+    measure(layer)  # A and B frozen: the old graph registered no hook either
     layer.lisa_A.requires_grad_(False)
     layer.lisa_B.requires_grad_(False)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
@@ -204,7 +224,7 @@ def test_two_active_adapters_and_untracked_importance():
 
 def test_strided_input_takes_the_old_graph():
     layer = sparse_layer()
-    layer.lisa_track_importance = True
+    measure(layer)
     x = torch.randn(64, 6, generator=torch.Generator().manual_seed(5)).t()  # not contiguous
     assert_all_equal(run_layer(layer, x, old=False), run_layer(layer, x, old=True))
 
@@ -242,14 +262,14 @@ def run_model(model, ids: torch.Tensor, old: bool, seed: int = 0):
         p.grad = None
     for layer in model.modules():
         if isinstance(layer, LisaLayer):
-            layer.lisa_grad_sum.clear()
+            sums(layer).clear()
     torch.manual_seed(seed)  # dropout draws the same masks in both runs
     with old_graph(model) if old else _nothing():
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     importance = {
-        f"{n}.{a}": g for n, m in model.named_modules() if isinstance(m, LisaLayer) for a, g in m.lisa_grad_sum.items()
+        f"{n}.{a}": g for n, m in model.named_modules() if isinstance(m, LisaLayer) for a, g in sums(m).items()
     }
     return out.logits, grads, importance
 
@@ -272,7 +292,7 @@ def sparse_model(build, **config):
     randomize_adapters(model)
     for layer in model.modules():
         if isinstance(layer, LisaLayer):
-            layer.lisa_track_importance = True
+            measure(layer)
     return model
 
 
@@ -322,7 +342,7 @@ def fuse(model: nn.Module) -> None:
 @pytest.mark.parametrize("structure", ["block2x2", "unstructured"])
 def test_fused_layer_is_close_to_old_graph(structure):
     layer = sparse_layer(structure)
-    layer.lisa_track_importance = True
+    measure(layer)
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1))
     old = run_layer(layer, x, old=True)
     fuse(layer)
@@ -384,7 +404,7 @@ def test_fused_path_declines_where_it_would_change_the_function():
 
 def test_fused_path_with_a_base_hook_is_the_exact_path():
     layer = sparse_layer()
-    layer.lisa_track_importance = True
+    measure(layer)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(8))
     old = run_layer(layer, x, old=True)
     fuse(layer)

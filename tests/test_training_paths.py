@@ -299,9 +299,9 @@ def _simulate(num_blocks, lisa_kwargs, steps):
         active_at.append(set(layers.active))
         for record in masks.step(step):
             selections += [(step, _block_of(name), record["kind"]) for name in record["layers"]]
-        for _, layer in masks.layers:  # what the forward hook would sum in this step's backward
-            if layer.lisa_track_importance:
-                layer.lisa_grad_sum["default"] = torch.randn(layer.out_features, layer.in_features, generator=gen)
+        for name, layer in masks.layers:  # what the backward pass would hand the scheduler in this step
+            if masks.is_tracking(layer):
+                layer.lisa_gradient_sinks["default"](torch.randn(layer.out_features, layer.in_features, generator=gen))
         masks.end_step()
     return active_at, selections, config
 

@@ -113,8 +113,7 @@ def calibrate_fresh_masks(trainer, mask_scheduler, model, args, train_dataloader
                     continue
                 # the very first micro-batch reached no factor: reentrant activation checkpointing hides the blocks
                 # from autograd.grad (or refuses it). Drop what it summed and run it again with backward()
-                for _, layer in mask_scheduler.layers:
-                    layer.lisa_grad_sum.pop(mask_scheduler.adapter_name, None)
+                mask_scheduler.discard_gradient_sums()
                 logger.info("LISA: autograd.grad does not reach the adapters (reentrant activation checkpointing); "
                             "the mask calibration runs backward() and restores every parameter's gradient after.")
                 mode, stashed = "backward", {p: p.grad for p in model.parameters()}

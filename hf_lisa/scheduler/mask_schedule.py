@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -19,6 +20,29 @@ def _dist_world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class _GradientSink:
+    """What a measured layer's backward pass calls with ``dL/dW``: adds it to its scheduler's sum for that layer.
+
+    It holds the scheduler weakly and is not copied with the model (a deep copy or pickle of the model carries
+    ``None``): the measurement belongs to the schedule, not to the weights."""
+
+    __slots__ = ("scheduler", "name")
+
+    def __init__(self, scheduler: "MaskScheduler", name: str) -> None:
+        self.scheduler, self.name = weakref.ref(scheduler), name
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        scheduler = self.scheduler()
+        if scheduler is not None:
+            scheduler._add_gradient(self.name, grad)
+
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
 
 
 class MaskScheduler:
@@ -107,6 +131,11 @@ class MaskScheduler:
             for name, module in model.named_modules()
             if isinstance(module, LisaLayer) and self.adapter_name in module.lisa_mask
         ]
+        # what is measured, per layer (as PEFT's AdaLoRA keeps it in its RankAllocator, not in the layers): the signed
+        # dL/dW of the current optimizer step summed over its micro-batches, and |.| of each step's sum pooled on the
+        # selection grid, summed over the window
+        self.grad_sum: dict[str, torch.Tensor] = {}
+        self.importance: dict[str, torch.Tensor] = {}
         self.new_cells: dict[str, torch.Tensor] = {}  # per layer: grid cells switched on at its last update
         # per layer: steps of importance gathered, interval of its last selection (None: never), still to calibrate
         self.window_steps: dict[str, int] = {name: 0 for name, _ in self.layers}
@@ -166,17 +195,39 @@ class MaskScheduler:
                 self.selected_interval[name] = self._interval(global_step)
         self.calibration_due = not self.calibrated
 
+    def _add_gradient(self, name: str, grad: torch.Tensor) -> None:
+        # signed: micro-batches of one optimizer step add up to that step's gradient before |.| is taken, so the
+        # importance does not depend on how a batch is split for gradient accumulation
+        grad = grad.detach().float()
+        acc = self.grad_sum.get(name)
+        self.grad_sum[name] = grad.clone() if acc is None else acc.add_(grad)
+
+    def is_tracking(self, layer) -> bool:
+        """Whether ``layer``'s backward pass hands this adapter's ``dL/dW`` to this scheduler."""
+        return layer.lisa_gradient_sinks.get(self.adapter_name) is not None
+
+    def track(self, name: str, layer, enabled: bool) -> None:
+        """Measure ``dL/dW`` of layer ``name`` in the backward passes from now on, or stop."""
+        if enabled:
+            if not self.is_tracking(layer):
+                layer.lisa_gradient_sinks[self.adapter_name] = _GradientSink(self, name)
+        else:
+            layer.lisa_gradient_sinks.pop(self.adapter_name, None)
+
     def set_tracking(self, enabled: bool) -> None:
         """Switch importance accumulation on or off in every sparse layer."""
-        for _, layer in self.layers:
-            layer.lisa_track_importance = enabled
+        for name, layer in self.layers:
+            self.track(name, layer, enabled)
             if not enabled:
-                layer.lisa_grad_sum.pop(self.adapter_name, None)
+                self.grad_sum.pop(name, None)
+
+    def discard_gradient_sums(self) -> None:
+        """Drop the signed gradients summed since the last fold (a pass that must not count)."""
+        self.grad_sum.clear()
 
     def reset_importance(self) -> None:
-        for _, layer in self.layers:
-            layer.lisa_importance.pop(self.adapter_name, None)
-            layer.lisa_grad_sum.pop(self.adapter_name, None)
+        self.importance.clear()
+        self.grad_sum.clear()
         self.window_steps = {name: 0 for name, _ in self.layers}
 
     # -- the two events ----------------------------------------------------------------------------------------------
@@ -197,7 +248,7 @@ class MaskScheduler:
             if names:
                 records.append(self.select(global_step, names, loss_fn))
         for name, layer in self.layers:
-            layer.lisa_track_importance = self._trains(layer) and self._pending(name, global_step)
+            self.track(name, layer, self._trains(layer) and self._pending(name, global_step))
         return records
 
     def end_step(self) -> list[str]:
@@ -209,7 +260,7 @@ class MaskScheduler:
         see only the gradients applied. Returns the names of the layers that gathered importance in this step.
         """
         self.withheld = []
-        gathered = self._fold([(name, layer) for name, layer in self.layers if layer.lisa_track_importance])
+        gathered = self._fold([(name, layer) for name, layer in self.layers if self.is_tracking(layer)])
         layers = dict(self.layers)
         for name in gathered:
             if self.fresh[name]:
@@ -222,7 +273,7 @@ class MaskScheduler:
     def _fold(self, tracked: Sequence[tuple[str, Any]]) -> list[str]:
         """Add ``|·|`` of the signed gradient summed since the last fold (over ranks too), pooled, to each tracked
         layer's importance; returns the layers that had one."""
-        sums = [layer.lisa_grad_sum.pop(self.adapter_name, None) for _, layer in tracked]
+        sums = [self.grad_sum.pop(name, None) for name, _ in tracked]
         if _dist_world_size() > 1 and tracked:
             sums = self._all_reduce_sums(tracked, sums)
         gathered = []
@@ -231,8 +282,8 @@ class MaskScheduler:
                 continue
             spec = self._spec(layer)
             pooled = M.pool_scores(grad.abs(), spec["structure"], spec["block_size"])
-            acc = layer.lisa_importance.get(self.adapter_name)
-            layer.lisa_importance[self.adapter_name] = pooled if acc is None else acc + pooled
+            acc = self.importance.get(name)
+            self.importance[name] = pooled if acc is None else acc + pooled
             self.window_steps[name] += 1
             gathered.append(name)
         return gathered
@@ -256,12 +307,12 @@ class MaskScheduler:
         factors = [f for _, layer in fresh for f in (layer.lisa_A[self.adapter_name].weight,
                                                      layer.lisa_B[self.adapter_name].weight)]
         flags = [f.requires_grad for f in factors]
-        tracking = [layer.lisa_track_importance for _, layer in self.layers]
+        tracking = [self.is_tracking(layer) for _, layer in self.layers]
         # a frozen block's layers are declared frozen where PEFT re-applies it (disable_adapter()'s exit in TRL's DPO
         # reference pass, see LayerwiseScheduler.enforce): lift that for the passes, or their factors freeze mid-pass
         declared = [dict(layer.frozen_peft_weight_names) for _, layer in fresh]
         for name, layer in fresh:  # partial importance of an in-training calibration (an older checkpoint): restart
-            layer.lisa_importance.pop(self.adapter_name, None)
+            self.importance.pop(name, None)
             self.window_steps[name] = 0
         try:
             for factor in factors:
@@ -270,9 +321,9 @@ class MaskScheduler:
                 layer.frozen_peft_weight_names = {
                     k: v for k, v in layer.frozen_peft_weight_names.items() if k != self.adapter_name
                 }
+            self.grad_sum.clear()
             for name, layer in self.layers:
-                layer.lisa_grad_sum.pop(self.adapter_name, None)
-                layer.lisa_track_importance = self.fresh[name]
+                self.track(name, layer, self.fresh[name])
             for _ in range(self.importance_steps):
                 run_step(factors)
                 self._fold(fresh)
@@ -281,9 +332,9 @@ class MaskScheduler:
                 factor.requires_grad_(flag)
             for (_, layer), frozen in zip(fresh, declared):
                 layer.frozen_peft_weight_names = frozen
-            for (_, layer), flag in zip(self.layers, tracking):
-                layer.lisa_track_importance = flag
-                layer.lisa_grad_sum.pop(self.adapter_name, None)
+            self.grad_sum.clear()
+            for (name, layer), flag in zip(self.layers, tracking):
+                self.track(name, layer, flag)
         reached = [name for name in names if self.window_steps[name] > 0]
         return self.select(global_step, reached) if reached else None
 
@@ -308,7 +359,7 @@ class MaskScheduler:
     def scores(self, name: str, layer) -> torch.Tensor:
         """The selection score of a layer on its grid: gradient importance plus what is learned, plus the bonus."""
         spec = self._spec(layer)
-        importance = layer.lisa_importance[self.adapter_name].float()
+        importance = self.importance[name].float()
         current = self._current_grid(layer).to(importance.device)
         with torch.no_grad():
             learned = M.pool_scores(
@@ -354,7 +405,7 @@ class MaskScheduler:
             )
             changed += int((grid != current).sum())
             total += grid.numel()
-            layer.lisa_importance.pop(self.adapter_name, None)
+            self.importance.pop(name, None)
             self.window_steps[name] = 0
             self.selected_interval[name] = self._interval(global_step)
             self.fresh[name] = False
@@ -388,11 +439,7 @@ class MaskScheduler:
 
         Saved between optimizer steps, so no per-step signed gradient sum is ever pending.
         """
-        importance = {
-            name: layer.lisa_importance[self.adapter_name].detach().cpu()
-            for name, layer in self.layers
-            if self.adapter_name in layer.lisa_importance
-        }
+        importance = {name: self.importance[name].detach().cpu() for name, _ in self.layers if name in self.importance}
         return {
             "version": SCHEDULER_STATE_VERSION,
             "adapter_name": self.adapter_name,
@@ -442,9 +489,6 @@ class MaskScheduler:
             shape = self._grid_shape(layers[name])
             packed = torch.as_tensor(packed, dtype=torch.uint8)
             self.new_cells[name] = M.unpack_mask(packed, (math.prod(shape),)).reshape(shape)
-        for _, layer in self.layers:
-            layer.lisa_importance.pop(self.adapter_name, None)
-            layer.lisa_grad_sum.pop(self.adapter_name, None)
+        self.importance, self.grad_sum = {}, {}
         for name, tensor in state["importance"].items():
-            layer = layers[name]
-            layer.lisa_importance[self.adapter_name] = tensor.to(layer.lisa_A[self.adapter_name].weight.device)
+            self.importance[name] = tensor.to(layers[name].lisa_A[self.adapter_name].weight.device)

@@ -170,7 +170,7 @@ class LisaConfig(PeftConfig):
     interpolation and layerwise sampling of the adapted blocks.
 
     With ``sparsity=0`` a LISA adapter is exactly LoRA (same forward, same weights); the other knobs add LISA's three
-    mask levels (see the README, "The method").
+    mask levels (see docs/method.md).
 
     Args:
         r (`int`, defaults to `8`): rank of the low-rank factors ``B`` (d×r) and ``A`` (r×k).

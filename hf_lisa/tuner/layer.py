@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +52,9 @@ class LisaLayer(BaseTunerLayer):
         self.lisa_mask_spec: dict[str, dict[str, Any]] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
-        # importance accumulation, driven by the mask scheduler: the signed dL/dW of the current optimizer step
-        # (summed over its micro-batches), and |.| of each step's sum pooled on the selection grid
-        self.lisa_track_importance = False
-        self.lisa_grad_sum: dict[str, torch.Tensor] = {}
-        self.lisa_importance: dict[str, torch.Tensor] = {}
+        # per adapter being measured: where the backward pass hands its dL/dW (the dense gradient of the effective
+        # weight). The mask scheduler sets and removes these and keeps what it measures; the layer keeps nothing
+        self.lisa_gradient_sinks: dict[str, Callable[[torch.Tensor], None]] = {}
         self._lisa_mask_placeholders: dict[str, tuple[LisaConfig, str]] = {}
         # per adapter (LisaConfig.fuse_sparse_delta): fold a sparse delta into the base matmul where that is the same
         # function (see Linear._fused_forward_ok); x (W + Δ)ᵀ rounds differently from x Wᵀ + x Δᵀ
@@ -238,12 +236,10 @@ class LisaLayer(BaseTunerLayer):
         with torch.inference_mode(False):
             return M.expand_grid(layout.unpack(self.lisa_mask[adapter_name]), layout.structure, layout.block_size)
 
-    def _accumulate_gradient(self, adapter_name: str, grad: torch.Tensor) -> None:
-        # signed: micro-batches of one optimizer step add up to that step's gradient before |.| is taken, so the
-        # importance does not depend on how a batch is split for gradient accumulation
-        grad = grad.detach().float()
-        acc = self.lisa_grad_sum.get(adapter_name)
-        self.lisa_grad_sum[adapter_name] = grad.clone() if acc is None else acc.add_(grad)
+    @property
+    def lisa_track_importance(self) -> bool:
+        """Whether the backward pass hands some adapter's ``dL/dW`` to a gradient sink (the mask scheduler's)."""
+        return any(sink is not None for sink in self.lisa_gradient_sinks.values())
 
     # -- delta -----------------------------------------------------------------------------------------------------------
     def _delta_out_in(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -287,21 +283,21 @@ class LisaLayer(BaseTunerLayer):
 
     def _sparse_adapter_output(self, adapter_name: str, h: torch.Tensor) -> torch.Tensor:
         """``s · h (M ⊙ (B A))ᵀ``. Its ``dL/dΔ`` is ``dL/dW`` of the effective weight, i.e. the importance score of
-        seed 000, for masked-out entries too; it goes to :meth:`_accumulate_gradient` while importance is tracked."""
+        seed 000, for masked-out entries too; it goes to the adapter's gradient sink (:attr:`lisa_gradient_sinks`)
+        while the mask scheduler measures it."""
         self._resolve_mask_placeholder(adapter_name)
         weight_A, weight_B = self.lisa_A[adapter_name].weight, self.lisa_B[adapter_name].weight
         packed = self.lisa_mask[adapter_name]
-        track = self.lisa_track_importance
+        sink = self.lisa_gradient_sinks.get(adapter_name)
         if supports_fast_path(h, weight_A, weight_B, packed):
             # recomputes M ⊙ (B A) in the backward pass instead of keeping it (bitwise the graph below)
-            on_delta_grad = (lambda g, name=adapter_name: self._accumulate_gradient(name, g)) if track else None
             return sparse_delta_linear(
-                h, weight_A, weight_B, packed, self.mask_layout(adapter_name), self.scaling[adapter_name], on_delta_grad
+                h, weight_A, weight_B, packed, self.mask_layout(adapter_name), self.scaling[adapter_name], sink
             )
         # strided inputs, meta tensors: materialise the delta and let autograd keep it
         delta = self._delta_out_in(adapter_name)
-        if track and delta.requires_grad:
-            delta.register_hook(lambda g, name=adapter_name: self._accumulate_gradient(name, g))
+        if sink is not None and delta.requires_grad:
+            delta.register_hook(sink)
         return F.linear(h, delta.to(h.dtype))
 
     def set_scale(self, adapter: str, scale: float) -> None:
@@ -445,10 +441,9 @@ class Linear(nn.Module, LisaLayer):
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         name = next(name for name in self.active_adapters if name in self.lisa_A)
         base = self.base_layer
-        on_delta_grad = (lambda g: self._accumulate_gradient(name, g)) if self.lisa_track_importance else None
         return fused_sparse_linear(
             x, self.lisa_A[name].weight, self.lisa_B[name].weight, self.lisa_mask[name], base.weight, base.bias,
-            self.mask_layout(name), self.scaling[name], self.fan_in_fan_out, on_delta_grad,
+            self.mask_layout(name), self.scaling[name], self.fan_in_fan_out, self.lisa_gradient_sinks.get(name),
         )
 
     def __repr__(self) -> str:
