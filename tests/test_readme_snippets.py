@@ -1,22 +1,26 @@
-"""Every ```python block of README.md runs, as written, and does what it says.
+"""Every ```python block of README.md, and of the docs pages that took README snippets over, runs as written and does
+what it says.
 
 How the snippets are run, and the only liberties taken with them:
 
-- Each block is keyed by the heading above it and its number under that heading (``"With TRL [1]"``). ``SNIPPETS``
-  lists every key with what the block must have done (``check``, run on the names it defined). A README block that
-  is not listed, or a listed block that is gone, fails ``test_every_readme_snippet_is_listed``: a new snippet cannot
-  go untested, silently or otherwise.
+- ``PAGES`` are the files whose blocks run: README.md and the docs pages its snippets moved to (``docs/method.md``,
+  ``docs/trl.md``, ``docs/hub.md``), every block of each. Each block is keyed by its file, the heading above it and
+  its number under that heading (``"docs/trl.md: With TRL [1]"``). ``SNIPPETS`` lists every key with what the block
+  must have done (``check``, run on the names it defined). A block of a page that is not listed, or a listed block
+  that is gone, fails ``test_every_readme_snippet_is_listed``: a new snippet cannot go untested, silently or
+  otherwise.
 - The code is run unchanged except for ``SHORTER`` (500 training steps become 2). Each block runs in a fresh
   namespace, so a block that uses a name it does not define fails, unless its entry lists the name in ``provides``:
-  only the push block does, because the README introduces it as working "with a model or a training output
-  directory"; the test provides ``model`` (a ``PeftModel`` with a LISA adapter), its ``tokenizer`` and
-  ``outputs/smollm2-lisa`` (an adapter output directory).
+  only the push block of docs/hub.md does, because the page introduces it as working "with a model or a training
+  output directory"; the test provides ``model`` (a ``PeftModel`` with a LISA adapter), its ``tokenizer`` and
+  ``outputs/smollm2-lisa`` (an adapter output directory, with the ``training_summary.json`` a run writes).
 - Hub ids stay as written. All blocks run in one fresh process whose ``HF_ENDPOINT`` is a local Hub server
   (``tests/hub_server.py``; huggingface_hub reads the variable at import, hence the process). On that server,
   ``HuggingFaceTB/SmolLM2-135M-Instruct`` holds a tiny 3-block llama with a character-level tokenizer and a chat
   template, and ``me/smollm2-lisa`` and ``me/smollm2-lisa-gsm8k`` hold LISA adapters for it, published before the
-  blocks run. The blocks' data files (``my_data.jsonl``, ``my_preferences.jsonl``) are tiny local files in the
-  process's working directory. Nothing is skipped.
+  blocks run. The blocks run in the order of ``PAGES``, each page top to bottom. The blocks' data files
+  (``my_data.jsonl``, ``my_preferences.jsonl``) are tiny local files in the process's working directory. Nothing is
+  skipped.
 """
 
 from __future__ import annotations
@@ -38,18 +42,24 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: README.md and the docs pages that took its snippets over: every ```python block of each runs, in this order
+PAGES = ("README.md", "docs/method.md", "docs/trl.md", "docs/hub.md")
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOKEN = "hf_readmeSnippetsMeWrite0123456789abcdef"
 PUBLISHED = ("me/smollm2-lisa", "me/smollm2-lisa-gsm8k")
 SHORTER = {"max_steps=500": "max_steps=2"}
 SHIFT = str.maketrans("abcdefgh", "bcdefghi")
+#: the training_summary.json of the output directory the push and card blocks use (what `hf-lisa train` writes)
+SUMMARY = {"base_model": MODEL_ID, "method": "lisa-adapter",
+           "lisa": {"activated_layers": 0, "interval_steps": 20, "sampling": "uniform"},
+           "hyperparameters": {"max_steps": 2}, "metrics": {"eval_loss": 0.4321}, "license": "apache-2.0"}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the snippets
 # ----------------------------------------------------------------------------------------------------------------------
-def readme_snippets(text: str) -> list[dict]:
-    """``{"key", "line", "source"}`` for every ```python block, in order."""
+def readme_snippets(text: str, page: str = "README.md") -> list[dict]:
+    """``{"key", "file", "line", "source"}`` for every ```python block of ``page`` (its ``text``), in order."""
     snippets, heading, per_heading = [], None, {}
     lines = text.splitlines()
     i = 0
@@ -59,7 +69,7 @@ def readme_snippets(text: str) -> list[dict]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             if line.strip() == "```python":
                 per_heading[heading] = per_heading.get(heading, 0) + 1
-                snippets.append({"key": f"{heading} [{per_heading[heading]}]", "line": i + 2,
+                snippets.append({"key": f"{page}: {heading} [{per_heading[heading]}]", "file": page, "line": i + 2,
                                  "source": "\n".join(lines[i + 1:end]) + "\n"})
             i = end + 1
             continue
@@ -67,6 +77,11 @@ def readme_snippets(text: str) -> list[dict]:
             heading = line.lstrip("#").strip()
         i += 1
     return snippets
+
+
+def page_snippets() -> list[dict]:
+    """The snippets of every page of ``PAGES``, in the order they run."""
+    return [s for page in PAGES for s in readme_snippets((ROOT / page).read_text(), page)]
 
 
 def shortened(source: str) -> str:
@@ -158,6 +173,22 @@ def check_loads_published(repo_id: str) -> Callable[[dict], None]:
     return check
 
 
+def check_model_card(ns: dict) -> None:
+    """The card rendered from the output directory's training summary is the very card the push uploaded."""
+    from huggingface_hub import hf_hub_download
+
+    card, summary = ns["card"], ns["summary"]
+    assert summary.method == "lisa-adapter" and summary.metrics == SUMMARY["metrics"], "read from training_summary.json"
+    assert card.data.base_model == MODEL_ID and card.data.library_name == "peft" and card.data.license == "apache-2.0"
+    assert "| eval_loss | 0.4321 |" in str(card)
+    uploaded = Path(hf_hub_download("me/smollm2-lisa", "README.md")).read_text(encoding="utf-8")
+    if uploaded != str(card):
+        import difflib
+
+        diff = "\n".join(difflib.unified_diff(str(card).splitlines(), uploaded.splitlines(), "card", "uploaded", n=1))
+        raise AssertionError(f"the push must upload `card` as it is:\n{diff[:3000]}")
+
+
 def provide_push_inputs() -> dict:
     """The push block's ``model`` and ``tokenizer``: the adapter of ``outputs/smollm2-lisa`` on its base model."""
     from peft import PeftModel
@@ -188,14 +219,16 @@ class Snippet:
 
 
 SNIPPETS = {
-    "The PEFT tuner, next to LoRA [1]": Snippet(check=check_peft_quick_start),
-    "The Trainer API in your own code [1]": Snippet(check=check_trainer_api),
-    "With TRL [1]": Snippet(check=check_trl),
-    "A Hub adapter [1]": Snippet(check=check_loads_published("me/smollm2-lisa")),
-    "Quantized bases (QLoRA-style) [1]": Snippet(check=check_quantized_base, needs="bitsandbytes"),
-    "Share on the Hub [1]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
-    "Share on the Hub [2]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
-    "Two ways to push [1]": Snippet(provides=provide_push_inputs, server_check=check_pushes_on_the_server),
+    "README.md: The Trainer API in your own code [1]": Snippet(check=check_trainer_api),
+    "README.md: Hub adapters [1]": Snippet(check=check_loads_published("me/smollm2-lisa")),
+    "docs/method.md: The PEFT tuner, next to LoRA [1]": Snippet(check=check_peft_quick_start),
+    "docs/method.md: Quantized bases (QLoRA-style) [1]": Snippet(check=check_quantized_base, needs="bitsandbytes"),
+    "docs/trl.md: With TRL [1]": Snippet(check=check_trl),
+    "docs/hub.md: Share on the Hub [1]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
+    "docs/hub.md: Share on the Hub [2]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
+    "docs/hub.md: Two ways to push [1]": Snippet(provides=provide_push_inputs, server_check=check_pushes_on_the_server),
+    # pushes me/smollm2-lisa anew: it runs after the README block that checks what was published there
+    "docs/hub.md: The model card [1]": Snippet(check=check_model_card),
 }
 
 RUNNER = '''
@@ -210,7 +243,7 @@ for item in json.load(open(sys.argv[1])):
         namespace = {{"__name__": "__readme__"}}
         if entry is not None and entry.provides is not None:
             namespace.update(entry.provides())
-        exec(compile(item["source"], "README.md:" + str(item["line"]), "exec"), namespace)
+        exec(compile(item["source"], item["file"] + ":" + str(item["line"]), "exec"), namespace)
         if entry is not None and entry.check is not None:
             entry.check(namespace)
         report[item["key"]] = {{"ok": True}}
@@ -259,11 +292,12 @@ def _publish(hub: HubServer, work: Path) -> None:
     adapter_config = json.loads((output_dir / "adapter_config.json").read_text())
     adapter_config["base_model_name_or_path"] = MODEL_ID
     (output_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    hf_lisa.hub.TrainingSummary.from_dict(SUMMARY).save(output_dir)
 
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """Run every README block in one fresh process against the local Hub; return the report and the server."""
+    """Run every block of ``PAGES`` in one fresh process against the local Hub; return the report and the server."""
     import huggingface_hub.constants as hf_constants
 
     work = tmp_path_factory.mktemp("readme")
@@ -281,7 +315,7 @@ def readme_run(tmp_path_factory):
             for r in copy_task_rows(24, seed=0)
         ])
         commits_before = {repo_id: len(hub.commits(repo_id)) for repo_id in PUBLISHED}
-        snippets = [dict(s, source=shortened(s["source"])) for s in readme_snippets(README.read_text())]
+        snippets = [dict(s, source=shortened(s["source"])) for s in page_snippets()]
         (work / "snippets.json").write_text(json.dumps(snippets))
         (work / "runner.py").write_text(RUNNER.format(tests=str(Path(__file__).resolve().parent)))
 
@@ -301,14 +335,16 @@ def readme_run(tmp_path_factory):
 
 
 def test_every_readme_snippet_is_listed():
-    keys = [s["key"] for s in readme_snippets(README.read_text())]
+    keys = [s["key"] for s in page_snippets()]
     assert len(keys) == len(set(keys))
     assert sorted(keys) == sorted(SNIPPETS), (
-        f"README python blocks not listed in SNIPPETS: {sorted(set(keys) - set(SNIPPETS))}; "
-        f"listed but no longer in README: {sorted(set(SNIPPETS) - set(keys))}"
+        f"python blocks of {PAGES} not listed in SNIPPETS: {sorted(set(keys) - set(SNIPPETS))}; "
+        f"listed but no longer in their page: {sorted(set(SNIPPETS) - set(keys))}"
     )
-    used = [old for old in SHORTER if old in README.read_text()]
-    assert used == list(SHORTER), "a SHORTER substitution no longer matches the README"
+    assert keys[0].startswith("README.md: "), "README.md keeps a quick start of its own"
+    text = "".join((ROOT / page).read_text() for page in PAGES)
+    used = [old for old in SHORTER if old in text]
+    assert used == list(SHORTER), "a SHORTER substitution no longer matches the README or its docs pages"
 
 
 @pytest.mark.parametrize("key", list(SNIPPETS))
@@ -318,6 +354,6 @@ def test_readme_snippet_runs_and_does_what_it_says(readme_run, key):
     result = readme_run["report"].get(key)
     proc = readme_run["proc"]
     assert result is not None, f"{key!r} did not run (exit {proc.returncode}): {proc.stderr[-4000:]}"
-    assert result["ok"], f"README block {key!r} failed:\n{result['error']}"
+    assert result["ok"], f"block {key!r} failed:\n{result['error']}"
     if SNIPPETS[key].server_check is not None:
         SNIPPETS[key].server_check(readme_run)
