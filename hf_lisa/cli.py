@@ -6,7 +6,8 @@
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
     hf-lisa export {lora,gguf,merged} SOURCE OUT [...]   LoRA adapter / GGUF file / merged weights for serving
-    hf-lisa config-reference [--format markdown|text] [--update-docs [FILE ...]]   (README.md, docs/training.md)
+    hf-lisa config-reference [--format markdown|text] [--update-docs [FILE ...]]   (docs/training.md)
+    hf-lisa --version
 
 ``train`` and ``demo`` hand the rest of the command line to ``hf-lisa train``'s ``HfArgumentParser``
 (:func:`hf_lisa.train.parse_args`, itself an ``argparse`` parser); ``push`` takes the arguments of
@@ -16,6 +17,9 @@ Every failure ends in one message on stderr and an exit status (:func:`exit_stat
 ``python -m hf_lisa.train`` follows too): 2 for a usage error (an option, a value, a config or data file, the model
 named), 1 for a failure while running, 130 when interrupted (Ctrl-C), with the checkpoint to resume from. ``--debug``
 (before the subcommand, or anywhere after ``train``/``demo``) prints the traceback as well.
+
+``--help``, ``--version`` and usage errors import no torch, transformers or PEFT: the subcommands load them when they
+run (tests/test_lazy_imports.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .errors import RunError
 COMMANDS = ("train", "demo", "push", "export", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
-DOC_FILES = ("README.md", "docs/training.md")
+DOC_FILES = ("docs/training.md",)
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 #: what the user asked for cannot be used (``UsageError`` and ``DataError`` are ``ValueError``\ s): exit status 2
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
@@ -156,10 +160,13 @@ def _config_reference(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-lisa`` parser: one subcommand per job, each with its handler as ``func``."""
+    # light imports only: --help, --version and usage errors load no torch, transformers or PEFT (test_lazy_imports)
+    from . import __version__
     from .export.cli import EXPORT_DESCRIPTION, add_export_arguments
     from .hub.cli import PUSH_DESCRIPTION, add_push_arguments
 
     parser = argparse.ArgumentParser(prog="hf-lisa", description="LISA fine-tuning for the Hugging Face stack.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, not only its message")
     commands = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True)
     # train and demo take no arguments here: the rest of the command line, --help included, goes to hf-lisa train's

@@ -14,9 +14,40 @@ Modules: :mod:`.common` (staged outputs, sources, check inputs), :mod:`.lora`, :
 
 from __future__ import annotations
 
-from .gguf import GGUF_TYPES, GgufExportReport, export_gguf, write_gguf
-from .lora import INTERPOLATION_REFUSAL, LoraExportReport, ModuleExport, convert_lisa_to_lora, export_lora
-from .merged import MergedExportReport, export_merged
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time these resolve on first use (``__getattr__``): `hf-lisa export --help` loads no torch
+    from .gguf import GGUF_TYPES, GgufExportReport, export_gguf, write_gguf
+    from .lora import INTERPOLATION_REFUSAL, LoraExportReport, ModuleExport, convert_lisa_to_lora, export_lora
+    from .merged import MergedExportReport, export_merged
+
+# public name -> the submodule defining it
+_LAZY = {
+    "GGUF_TYPES": "gguf", "GgufExportReport": "gguf", "export_gguf": "gguf", "write_gguf": "gguf",
+    "INTERPOLATION_REFUSAL": "lora", "LoraExportReport": "lora", "ModuleExport": "lora",
+    "convert_lisa_to_lora": "lora", "export_lora": "lora",
+    "MergedExportReport": "merged", "export_merged": "merged",
+}
+
+# submodules reachable as attributes of the package, imported on first access
+_SUBMODULES = frozenset({"cli", "common", "gguf", "gguf_tokenizer", "lora", "merged"})
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+
 
 __all__ = [
     "GGUF_TYPES",

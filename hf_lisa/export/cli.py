@@ -15,6 +15,9 @@ EXPORT_DESCRIPTION = (
     "or merged transformers weights."
 )
 EXPORT_KINDS = ("lora", "gguf", "merged")
+#: the choices of ``--type``: :data:`hf_lisa.export.gguf.GGUF_TYPES`, spelled out so that building the parser loads no
+#: torch or numpy (tests/test_lazy_imports.py checks that the two agree)
+GGUF_TYPE_CHOICES = ("f16", "q8_0")
 
 
 def _common(parser: argparse.ArgumentParser, output: str) -> None:
@@ -26,9 +29,8 @@ def _common(parser: argparse.ArgumentParser, output: str) -> None:
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``lora``, ``gguf`` and ``merged`` under ``parser`` (the ``export`` subcommand of ``hf-lisa``)."""
-    from .gguf import GGUF_TYPES
-
+    """Add ``lora``, ``gguf`` and ``merged`` under ``parser`` (the ``export`` subcommand of ``hf-lisa``). Imports
+    nothing heavy: the exports load torch when they run."""
     kinds = parser.add_subparsers(dest="export_kind", metavar="{" + ",".join(EXPORT_KINDS) + "}", required=True)
     lora = kinds.add_parser(
         "lora", help="a LISA adapter as a PEFT LoRA adapter (exact for sparsity 0, truncated SVD otherwise)",
@@ -53,7 +55,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     gguf.add_argument("source", help="an adapter folder, a full model folder (e.g. `hf-lisa demo` output) or a Hub id")
     gguf.add_argument("out_file", help="the .gguf file to write")
-    gguf.add_argument("--type", dest="gguf_type", choices=GGUF_TYPES, default="f16", help="tensor type (default f16)")
+    gguf.add_argument("--type", dest="gguf_type", choices=GGUF_TYPE_CHOICES, default="f16",
+                      help="tensor type (default f16)")
     gguf.add_argument("--tokenizer_from", "--tokenizer-from", dest="tokenizer_from", default=None,
                       help="copy the tokenizer metadata from this GGUF file (same tokenizer); default: the demo "
                       "model's file for its tokenizer, else written from tokenizer.json")

@@ -20,13 +20,44 @@ card), :mod:`.push` (the commit), :mod:`.load` (``from_pretrained``, ``explain_m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..errors import MISSING_IMPORT_HINT
-from .card import render_model_card
-from .cli import hub_cli
-from .load import explain_missing_import, from_pretrained
-from .push import push_to_hub
-from .staging import PICKLE_SUFFIXES, HubPushError
-from .summary import TRAINING_SUMMARY_NAME, TrainingSummary
+
+if TYPE_CHECKING:  # at run time these resolve on first use (``__getattr__``): `hf-lisa push --help` stays quick
+    from .card import render_model_card
+    from .cli import hub_cli
+    from .load import explain_missing_import, from_pretrained
+    from .push import push_to_hub
+    from .staging import PICKLE_SUFFIXES, HubPushError
+    from .summary import TRAINING_SUMMARY_NAME, TrainingSummary
+
+# public name -> the submodule defining it
+_LAZY = {
+    "render_model_card": "card", "hub_cli": "cli", "explain_missing_import": "load", "from_pretrained": "load",
+    "push_to_hub": "push", "PICKLE_SUFFIXES": "staging", "HubPushError": "staging",
+    "TRAINING_SUMMARY_NAME": "summary", "TrainingSummary": "summary",
+}
+
+# submodules reachable as attributes of the package, imported on first access
+_SUBMODULES = frozenset({"card", "cli", "load", "push", "staging", "summary"})
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+
 
 __all__ = [
     "MISSING_IMPORT_HINT",

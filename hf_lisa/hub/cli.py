@@ -7,8 +7,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from .push import _Redactor, push_to_hub
-from .staging import PUSH_MODES, HubPushError
+from .staging import PUSH_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,9 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def push_command(args: argparse.Namespace) -> int:
     """Run ``hf-lisa push`` with parsed arguments; returns the exit code: 0 on success (the commit URL is printed),
     1 when the push failed (the reason is printed, never the token)."""
+    from .push import _Redactor, push_to_hub
+    from .staging import HubPushError
+
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     redact = _Redactor(args.token)
