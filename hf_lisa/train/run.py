@@ -76,16 +76,25 @@ def _setup_logging(training_args) -> None:
 
 def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArguments, training_args) -> dict:
     """Train with already-parsed arguments and return the training summary (also written to the output dir)."""
-    from transformers import set_seed
-
-    from . import data as data_lib
-    from .. import demo_task
-
     _setup_logging(training_args)
     started = time.time()
     # the Trainer's own push would upload a pickled training_args.bin and a card without base_model: push ourselves
     push_repo = training_args.hub_model_id if training_args.push_to_hub else None
     training_args.push_to_hub = False
+    _check_and_prepare(model_args, lisa_args, training_args)
+    raw, bundled = _load_data(model_args, data_args, training_args)
+    job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started)
+    job.build()
+    job.evaluate_and_print("_before", "before training: ")
+    job.train()
+    job.evaluate_and_print("", "after training:  ")
+    return job.save_and_push(push_repo)
+
+
+def _check_and_prepare(model_args, lisa_args, training_args) -> None:
+    """Seed, allocator and every check that needs no weights: the output folder, the model's config on meta."""
+    from transformers import set_seed
+
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
     allocator = apply_cpu_allocator(lisa_args.cpu_allocator, on_cpu=training_args.device.type == "cpu")
@@ -95,7 +104,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
     check_before_loading(model_args, lisa_args, training_args)  # the model's config on meta: seconds, no weights
 
-    # -- data ----------------------------------------------------------------------------------------------------------
+
+def _load_data(model_args, data_args, training_args):
+    """``(raw datasets, whether the bundled task is used)``: loaded, subsampled and checked before the model loads."""
+    from . import data as data_lib
+    from .. import demo_task
+
     bundled = data_args.train_file is None and data_args.dataset_name is None
     if bundled:
         with training_args.main_process_first(desc="writing the bundled task"):
@@ -122,146 +136,169 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
             data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
     )
+    return raw, bundled
 
-    # -- model ---------------------------------------------------------------------------------------------------------
-    path, base_model_id = resolve_model_path(model_args)
-    model, tokenizer = load_model_and_tokenizer(model_args, path)
-    with training_args.main_process_first(desc="tokenizing"):
-        tokenized, report = data_lib.tokenize_datasets(
-            raw, tokenizer, max_seq_length=data_args.max_seq_length, data_format=data_args.data_format,
-            completion_only_loss=data_args.completion_only_loss, overlength=data_args.overlength,
-            chat_template=data_args.chat_template, text_column=data_args.text_column,
-            prompt_column=data_args.prompt_column, completion_column=data_args.completion_column,
-            messages_column=data_args.messages_column, num_proc=data_args.preprocessing_num_workers,
-            load_from_cache_file=not data_args.overwrite_cache, on_bad_row=data_args.on_bad_row,
+
+class _Run:
+    """The state of one job between its stages: the model, the trainer, the metrics measured before and after."""
+
+    def __init__(self, model_args, data_args, lisa_args, training_args, raw, bundled: bool, started: float) -> None:
+        self.model_args, self.data_args, self.lisa_args, self.training_args = model_args, data_args, lisa_args, \
+            training_args
+        self.raw, self.bundled, self.started = raw, bundled, started
+        self.metrics: dict[str, float] = {}
+        self.start_info: dict = {}  # the trainable summary, filled at train begin
+
+    def build(self) -> None:
+        """Load the model and tokenizer, tokenize, wrap the model for the method, build the ``LisaTrainer``."""
+        from . import data as data_lib
+
+        model_args, data_args, lisa_args, training_args = (self.model_args, self.data_args, self.lisa_args,
+                                                           self.training_args)
+        path, self.base_model_id = resolve_model_path(model_args)
+        model, self.tokenizer = load_model_and_tokenizer(model_args, path)
+        with training_args.main_process_first(desc="tokenizing"):
+            tokenized, self.report = data_lib.tokenize_datasets(
+                self.raw, self.tokenizer, max_seq_length=data_args.max_seq_length,
+                data_format=data_args.data_format, completion_only_loss=data_args.completion_only_loss,
+                overlength=data_args.overlength, chat_template=data_args.chat_template,
+                text_column=data_args.text_column, prompt_column=data_args.prompt_column,
+                completion_column=data_args.completion_column, messages_column=data_args.messages_column,
+                num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache,
+                on_bad_row=data_args.on_bad_row,
+            )
+        self.chat = data_lib.use_chat_template(self.tokenizer, data_args.chat_template)
+        model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
+        if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+        model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+        self.trainer = self._trainer(model, tokenized, scheduling_callbacks)
+        self.gen_rows = []
+        n_gen = data_args.eval_generation_samples or 0
+        if n_gen and "validation" in self.raw and self.report.data_format in ("prompt_completion", "messages"):
+            self.gen_rows = generation_rows(self.raw["validation"], self.report.data_format, data_args, n_gen)
+
+    def _trainer(self, model, tokenized, scheduling_callbacks) -> LisaTrainer:
+        """The ``LisaTrainer`` with the scheduling, summary and monitoring callbacks, prepared for DDP."""
+        from . import data as data_lib
+        from ..distributed import configure_trainer_for_lisa
+        from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
+
+        lisa_args, training_args = self.lisa_args, self.training_args
+        monitor = TrainingMonitorCallback(
+            plateau_grad_norm=lisa_args.monitor_plateau_grad_norm,
+            plateau_steps=lisa_args.monitor_plateau_steps,
+            num_block_groups=lisa_args.monitor_block_groups,
+            layers_attribute=lisa_args.lisa_layers_attribute,
         )
-    chat = data_lib.use_chat_template(tokenizer, data_args.chat_template)
-    model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
-    if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
-        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+        callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
+                                                              lisa_args.lisa_layers_attribute, self.start_info,
+                                                              schedules=scheduling_callbacks)]
+        self.eval_dataset = eval_dataset = tokenized.get("validation")
+        trainer = LisaTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=tokenized["train"],
+            eval_dataset=eval_dataset,
+            processing_class=self.tokenizer,
+            data_collator=data_lib.data_collator(self.tokenizer),
+            compute_metrics=compute_metrics if eval_dataset is not None else None,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
+            callbacks=callbacks,
+            layerwise_lr_decay=lisa_args.layerwise_lr_decay,
+            layers_attribute=lisa_args.lisa_layers_attribute,
+            optim_step_in_backward=lisa_args.optim_step_in_backward,
+            chunked_loss=lisa_args.chunked_loss,
+            cpu_allocator=lisa_args.cpu_allocator,
+            optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
+        )
+        monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as it was built
+        _pin_tensorboard_logging_dir(trainer)
+        # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
+        configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
+                                   powersgd_start_iter=lisa_args.powersgd_start_iter)
+        return trainer
 
-    from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
-
-    monitor = TrainingMonitorCallback(
-        plateau_grad_norm=lisa_args.monitor_plateau_grad_norm,
-        plateau_steps=lisa_args.monitor_plateau_steps,
-        num_block_groups=lisa_args.monitor_block_groups,
-        layers_attribute=lisa_args.lisa_layers_attribute,
-    )
-    start_info: dict = {}
-    callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
-                                                          lisa_args.lisa_layers_attribute, start_info,
-                                                          schedules=scheduling_callbacks)]
-    eval_dataset = tokenized.get("validation")
-    trainer = LisaTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=tokenized["train"],
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        data_collator=data_lib.data_collator(tokenizer),
-        compute_metrics=compute_metrics if eval_dataset is not None else None,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
-        callbacks=callbacks,
-        layerwise_lr_decay=lisa_args.layerwise_lr_decay,
-        layers_attribute=lisa_args.lisa_layers_attribute,
-        optim_step_in_backward=lisa_args.optim_step_in_backward,
-        chunked_loss=lisa_args.chunked_loss,
-        cpu_allocator=lisa_args.cpu_allocator,
-        optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
-    )
-    monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as the Trainer was built
-    _pin_tensorboard_logging_dir(trainer)
-    # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
-    from ..distributed import configure_trainer_for_lisa
-
-    configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
-                               powersgd_start_iter=lisa_args.powersgd_start_iter)
-
-    # -- before --------------------------------------------------------------------------------------------------------
-    n_gen = data_args.eval_generation_samples or 0
-    gen_rows = []
-    if n_gen and "validation" in raw and report.data_format in ("prompt_completion", "messages"):
-        gen_rows = generation_rows(raw["validation"], report.data_format, data_args, n_gen)
-    metrics: dict[str, float] = {}
-
-    def evaluate_all(suffix: str) -> None:
-        if eval_dataset is not None:
+    def evaluate_and_print(self, suffix: str, label: str) -> None:
+        """Evaluation loss/perplexity/accuracy and generation exact match into ``metrics`` (keys + ``suffix``),
+        printed in one line on the main process."""
+        trainer, data_args, metrics = self.trainer, self.data_args, self.metrics
+        if self.eval_dataset is not None:
             result = trainer.evaluate()
             for key in ("eval_loss", "eval_perplexity", "eval_token_accuracy"):
                 if key in result:
                     metrics[key + suffix] = float(result[key])
-        if gen_rows:
+        if self.gen_rows:
             score, samples = generation_exact_match(
-                trainer.model, tokenizer, gen_rows, chat, max_new_tokens=data_args.generation_max_new_tokens,
-                batch_size=training_args.per_device_eval_batch_size * 2, answer_pattern=data_args.answer_pattern,
-                lenient=data_args.answer_lenient,
+                trainer.model, self.tokenizer, self.gen_rows, self.chat,
+                max_new_tokens=data_args.generation_max_new_tokens,
+                batch_size=self.training_args.per_device_eval_batch_size * 2,
+                answer_pattern=data_args.answer_pattern, lenient=data_args.answer_lenient,
             )
             metrics["eval_exact_match" + suffix] = score
             if trainer.is_world_process_zero():
                 logger.info("exact match%s: %.3f; e.g. %r -> %r", suffix or " after", score,
                             samples[0]["prompt"], samples[0]["generation"])
+        line = _metrics_line(metrics, suffix)
+        if trainer.is_world_process_zero() and line:
+            print(f"[{SUMMARY_PREFIX}] {label}{line}", flush=True)
 
-    evaluate_all("_before")
-    before_line = _metrics_line(metrics, "_before")
-    if trainer.is_world_process_zero() and before_line:
-        print(f"[{SUMMARY_PREFIX}] before training: {before_line}", flush=True)
+    def train(self) -> None:
+        """Clear what an earlier run left in ``output_dir``, then train (resuming where asked)."""
+        training_args = self.training_args
+        with training_args.main_process_first(desc="clearing what an earlier run left in output_dir"):
+            if training_args.should_save:
+                clear_previous_run(training_args)
+        train_result = self.trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        self.metrics["train_loss"] = float(train_result.training_loss)
 
-    # -- train ---------------------------------------------------------------------------------------------------------
-    with training_args.main_process_first(desc="clearing what an earlier run left in output_dir"):
-        if training_args.should_save:
-            clear_previous_run(training_args)
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    metrics["train_loss"] = float(train_result.training_loss)
-    evaluate_all("")
-    after_line = _metrics_line(metrics, "")
-    if trainer.is_world_process_zero() and after_line:
-        print(f"[{SUMMARY_PREFIX}] after training:  {after_line}", flush=True)
-
-    # -- outputs -------------------------------------------------------------------------------------------------------
-    output_dir = training_args.output_dir
-    saved_mode = "adapter" if get_method(lisa_args.method).is_adapter else "merged"
-    # everything goes to a staging folder, moved into output_dir once complete: a crash leaves no half model
-    with staged_final_model(output_dir, training_args.should_save) as staging:
-        save_final_model(trainer, trainer.model, tokenizer, staging, lisa_args.method)
-        summary = build_training_summary(
-            model_args, data_args, lisa_args, training_args, base_model_id=base_model_id, lisa=lisa_knobs(lisa_args),
-            metrics=metrics, global_step=trainer.state.global_step, data_report=report, bundled=bundled,
-            trainable=start_info, started=started,
-        )
-        if trainer.is_world_process_zero():
-            plot = plot_losses(
-                trainer.state.log_history, os.path.join(staging, LOSS_PLOT_NAME),
-                before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
-                final_step=trainer.state.global_step,
-                title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
+    def save_and_push(self, push_repo: Optional[str]) -> dict:
+        """Save the final model, summary, plot and card (staged, then moved into place); push if asked."""
+        trainer, lisa_args, training_args = self.trainer, self.lisa_args, self.training_args
+        metrics, base_model_id = self.metrics, self.base_model_id
+        output_dir = training_args.output_dir
+        saved_mode = "adapter" if get_method(lisa_args.method).is_adapter else "merged"
+        # everything goes to a staging folder, moved into output_dir once complete: a crash leaves no half model
+        with staged_final_model(output_dir, training_args.should_save) as staging:
+            save_final_model(trainer, trainer.model, self.tokenizer, staging, lisa_args.method)
+            summary = build_training_summary(
+                self.model_args, self.data_args, lisa_args, training_args, base_model_id=base_model_id,
+                lisa=lisa_knobs(lisa_args), metrics=metrics, global_step=trainer.state.global_step,
+                data_report=self.report, bundled=self.bundled, trainable=self.start_info, started=self.started,
             )
-            summary.loss_plot = LOSS_PLOT_NAME if plot else None
-            summary.save(staging)
-            # the card is rendered once, for the repo the run pushes to; the push uploads it if it keeps the saved form
-            card = write_model_card(staging, summary, saved_mode, repo_id=push_repo)
-    pushed_to = None
-    if trainer.is_world_process_zero():
-        push_mode = lisa_args.push_mode or saved_mode
-        kind = "adapter" if saved_mode == "adapter" else "full weights"
-        extra = f", {LOSS_PLOT_NAME}" if plot else ""
-        print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "
-              f"{summary.runtime_seconds:.0f} s", flush=True)
-        if push_repo:
-            from ..hub import push_to_hub
+            if trainer.is_world_process_zero():
+                plot = plot_losses(
+                    trainer.state.log_history, os.path.join(staging, LOSS_PLOT_NAME),
+                    before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
+                    final_step=trainer.state.global_step,
+                    title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
+                )
+                summary.loss_plot = LOSS_PLOT_NAME if plot else None
+                summary.save(staging)
+                # the card is rendered once, for the repo the run pushes to; the push uploads it if it keeps the
+                # saved form
+                card = write_model_card(staging, summary, saved_mode, repo_id=push_repo)
+        pushed_to = None
+        if trainer.is_world_process_zero():
+            push_mode = lisa_args.push_mode or saved_mode
+            kind = "adapter" if saved_mode == "adapter" else "full weights"
+            extra = f", {LOSS_PLOT_NAME}" if plot else ""
+            print(f"[{SUMMARY_PREFIX}] wrote {output_dir} ({kind}, {TRAINING_SUMMARY_NAME}{extra}) in "
+                  f"{summary.runtime_seconds:.0f} s", flush=True)
+            if push_repo:
+                from ..hub import push_to_hub
 
-            pushed_to = str(push_to_hub(
-                output_dir, push_repo, mode=push_mode, private=training_args.hub_private_repo,
-                token=training_args.hub_token, training_summary=summary,
-                card=card if push_mode == saved_mode else None,
-                base_model=base_model_id if "/" in base_model_id and not os.path.exists(base_model_id) else None,
-            ))
-            print(f"[{SUMMARY_PREFIX}] pushed {push_mode} to {push_repo}: {pushed_to}", flush=True)
-    result = summary.to_dict()  # training_summary.json's keys, and where the push went
-    if pushed_to:
-        result["pushed_to"] = pushed_to
-    return result
+                pushed_to = str(push_to_hub(
+                    output_dir, push_repo, mode=push_mode, private=training_args.hub_private_repo,
+                    token=training_args.hub_token, training_summary=summary,
+                    card=card if push_mode == saved_mode else None,
+                    base_model=base_model_id if "/" in base_model_id and not os.path.exists(base_model_id) else None,
+                ))
+                print(f"[{SUMMARY_PREFIX}] pushed {push_mode} to {push_repo}: {pushed_to}", flush=True)
+        result = summary.to_dict()  # training_summary.json's keys, and where the push went
+        if pushed_to:
+            result["pushed_to"] = pushed_to
+        return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
