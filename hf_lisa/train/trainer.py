@@ -28,6 +28,19 @@ from .output_dir import STAGING_PREFIX, fsync_tree
 
 logger = logging.getLogger("hf_lisa.train")
 
+#: the private ``transformers.Trainer`` methods ``LisaTrainer`` overrides, each with the reason no public hook
+#: (``create_optimizer``, ``compute_loss``, ``log``, callbacks) does the job. ``tests/test_private_trainer_api.py``
+#: fails when transformers renames or drops one: the override would silently stop taking effect.
+PRIVATE_OVERRIDES = {
+    "_get_grad_norm": "the optimizer stepped in the backward pass freed the gradients: report the norm its hooks "
+    "measured, never a norm over nothing",
+    "_get_output_dir": "a checkpoint is written into a staging folder first (the Trainer writes where this points)",
+    "_save_checkpoint": "the staged checkpoint, with the LISA schedule inside, is renamed into place only once "
+    "complete; no callback event sees the folder before the Trainer rotates checkpoints",
+    "_push_from_checkpoint": "a staged checkpoint is pushed from its final place, not from the staging folder",
+    "_save": "the pickled training_args.bin is written without the Hub token",
+}
+
 
 class _WholeRunLoss(TrainerCallback):
     """Keeps ``train_loss`` a mean over every step of the run when training resumes from a checkpoint.
@@ -155,14 +168,15 @@ class LisaTrainer(Trainer):
             else:  # bitsandbytes' 8-bit AdamW, its CPU update a slice at a time (bit for bit the same)
                 self.optimizer_cls_and_kwargs = sliced_8bit_optimizer(self, opt_model) or self.optimizer_cls_and_kwargs
         given = self.optimizer is not None
-        optimizer = self._create_optimizer(model)
+        optimizer = self._optimizer_with_llrd(model)
         if not given or self.optim_8bit_embeddings:  # a given optimizer is left as it is, unless asked for 8 bits
             configured = configure_embedding_state(optimizer, opt_model, self.optim_8bit_embeddings)
             if configured:
                 logger.info(configured)
         return optimizer
 
-    def _create_optimizer(self, model=None):
+    def _optimizer_with_llrd(self, model=None):
+        """The Trainer's optimizer, with one parameter group per block when layer-wise LR decay is on."""
         if self.layerwise_lr_decay >= 1.0 or self.optimizer is not None:
             return super().create_optimizer(model)
         from ..scheduler.param_groups import layerwise_lr_decay_param_groups
