@@ -168,6 +168,93 @@ def _ddp_settings(model: Optional[nn.Module], args: Any) -> tuple[bool, bool, bo
     return bool(find_unused), bool(args.ddp_static_graph), reentrant
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The support check: one helper per engine or condition, in the order they are checked
+# ---------------------------------------------------------------------------------------------------------------------
+def _engine_to_check(model: Optional[nn.Module], optimizer: Any, params: list, args: Any) -> str:
+    """The engine from the objects, from ZeRO-3 candidate parameters, else from what ``args`` will build."""
+    engine = detect_engine(model, optimizer)
+    if any(hasattr(p, "ds_id") for p in params):
+        engine = "deepspeed"
+    if engine == "single" and args is not None:
+        engine = _engine_from_args(args)
+    return engine
+
+
+def _check_deepspeed(engine: str, form: str) -> None:
+    """Refuse DeepSpeed ZeRO, which fixes the trainable set when it builds its partitions."""
+    if engine == "deepspeed":
+        raise UnsupportedEngineError(
+            f"{form} changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
+            "when deepspeed.initialize builds its partitions (DeepSpeed #5639): blocks frozen later keep moving under "
+            "Adam and blocks unfrozen later never train. Use FSDP2 (fully_shard per block: "
+            "hf_lisa.distributed.fully_shard_blocks, TrainingArguments(fsdp='full_shard', fsdp_config={'version': 2}) "
+            "or examples/accelerate_configs/fsdp2.yaml) or DDP for layer switching. Under DeepSpeed, train a fixed "
+            "trainable set: LoRA, or LISA adapters with lisa_activated_layers=0 (sparse-mask re-selection works)."
+        )
+
+
+def _check_optimizer_holds_params(optimizer: Any, params: list, form: str) -> None:
+    """Refuse an optimizer built over flattened copies: it holds none of the candidate parameters."""
+    if params and optimizer is not None:
+        held = {id(p) for o in _optimizer_chain(optimizer) for g in getattr(o, "param_groups", []) for p in g["params"]}
+        if held and not any(id(p) in held for p in params):
+            raise UnsupportedEngineError(
+                f"{form} freezes and unfreezes model parameters, but the optimizer holds none of them (it was "
+                "built over flattened copies, as DeepSpeed ZeRO and FSDP1 without use_orig_params do), so freezing "
+                "would not stop its updates. Build the optimizer over model.parameters(); for sharding use FSDP2."
+            )
+
+
+def _check_fsdp1(engine: str, model: Optional[nn.Module], args: Any, form: str) -> None:
+    """Refuse FSDP1 without ``use_orig_params=True``."""
+    if engine == "fsdp1" and not _fsdp1_use_orig_params(model, args):
+        raise UnsupportedEngineError(
+            f"{form} freezes parameters inside FSDP units, which FSDP1 supports only with use_orig_params=True (it "
+            "got use_orig_params=False). Wrap with use_orig_params=True (TrainingArguments(fsdp_config="
+            "{'use_orig_params': True})), or better use FSDP2 (fully_shard per block, fsdp_config={'version': 2}), "
+            "whose per-parameter sharding is the supported engine."
+        )
+
+
+def _check_ddp(engine: str, model: Optional[nn.Module], args: Any, form: str) -> None:
+    """Refuse DDP without unused-parameter detection, with a static graph, or with reentrant checkpointing."""
+    if not (engine == "ddp" or (engine == "single" and _dist_world_size() > 1)):
+        return
+    find_unused, static_graph, reentrant = _ddp_settings(model, args)
+    if engine == "ddp" and not find_unused:
+        raise UnsupportedEngineError(
+            f"{form} freezes blocks after DDP wrapped the model, so DDP must look for unused parameters, but it "
+            "runs with find_unused_parameters=False and would fail with 'Expected to have finished reduction' "
+            "(axolotl #1474). Set TrainingArguments(ddp_find_unused_parameters=True) (the Trainer turns it off "
+            "with gradient checkpointing) or call hf_lisa.distributed.configure_trainer_for_lisa(trainer); in a "
+            "custom loop, build DDP with find_unused_parameters=True."
+        )
+    if engine == "ddp" and static_graph:
+        raise UnsupportedEngineError(
+            f"{form} changes the set of parameters with gradients every K steps, which DDP's static_graph=True "
+            "forbids. Set TrainingArguments(ddp_static_graph=False), or build DDP with static_graph=False."
+        )
+    if reentrant:
+        raise UnsupportedEngineError(
+            f"{form} under DDP needs find_unused_parameters=True, which reentrant activation checkpointing "
+            "breaks ('Expected to mark a variable ready only once'). Use non-reentrant checkpointing: "
+            "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': False}) (transformers' default)."
+        )
+
+
+def _check_fsdp2(engine: str, model: Optional[nn.Module], form: str) -> None:
+    """Refuse FSDP2 with a low-precision policy on a torch with pytorch#186998, unless the fix is installed."""
+    unfixed_fsdp2 = engine == "fsdp2" and model is not None and not getattr(model, "_lisa_unfreeze_fix", False)
+    if unfixed_fsdp2 and fsdp2_unfreeze_fix_needed(model):
+        raise UnsupportedEngineError(
+            f"{form} with FSDP2 and a low-precision MixedPrecisionPolicy fails on torch {torch.__version__} when "
+            f"a block frozen at the first forward is unfrozen later (pytorch#186998, fixed in "
+            f"{FSDP2_UNFREEZE_FIXED_IN}). Call hf_lisa.distributed.install_fsdp2_unfreeze_fix(model) after "
+            "fully_shard (fully_shard_blocks does it), upgrade torch, or drop param_dtype from the policy."
+        )
+
+
 def check_layer_switching_supported(
     model: Optional[nn.Module] = None,
     optimizer: Any = None,
@@ -213,67 +300,15 @@ def check_layer_switching_supported(
         >>> check_layer_switching_supported(torch.nn.Linear(2, 2))
         'single'
     """
-    engine = detect_engine(model, optimizer)
     params = list(params) if params is not None else []
-    if any(hasattr(p, "ds_id") for p in params):
-        engine = "deepspeed"
-    if engine == "single" and args is not None:
-        engine = _engine_from_args(args)
+    engine = _engine_to_check(model, optimizer, params, args)
     if not freezes:
         return engine
-    if engine == "deepspeed":
-        raise UnsupportedEngineError(
-            f"{form} changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
-            "when deepspeed.initialize builds its partitions (DeepSpeed #5639): blocks frozen later keep moving under "
-            "Adam and blocks unfrozen later never train. Use FSDP2 (fully_shard per block: "
-            "hf_lisa.distributed.fully_shard_blocks, TrainingArguments(fsdp='full_shard', fsdp_config={'version': 2}) "
-            "or examples/accelerate_configs/fsdp2.yaml) or DDP for layer switching. Under DeepSpeed, train a fixed "
-            "trainable set: LoRA, or LISA adapters with lisa_activated_layers=0 (sparse-mask re-selection works)."
-        )
-    if params and optimizer is not None:
-        held = {id(p) for o in _optimizer_chain(optimizer) for g in getattr(o, "param_groups", []) for p in g["params"]}
-        if held and not any(id(p) in held for p in params):
-            raise UnsupportedEngineError(
-                f"{form} freezes and unfreezes model parameters, but the optimizer holds none of them (it was "
-                "built over flattened copies, as DeepSpeed ZeRO and FSDP1 without use_orig_params do), so freezing "
-                "would not stop its updates. Build the optimizer over model.parameters(); for sharding use FSDP2."
-            )
-    if engine == "fsdp1" and not _fsdp1_use_orig_params(model, args):
-        raise UnsupportedEngineError(
-            f"{form} freezes parameters inside FSDP units, which FSDP1 supports only with use_orig_params=True (it "
-            "got use_orig_params=False). Wrap with use_orig_params=True (TrainingArguments(fsdp_config="
-            "{'use_orig_params': True})), or better use FSDP2 (fully_shard per block, fsdp_config={'version': 2}), "
-            "whose per-parameter sharding is the supported engine."
-        )
-    if engine == "ddp" or (engine == "single" and _dist_world_size() > 1):
-        find_unused, static_graph, reentrant = _ddp_settings(model, args)
-        if engine == "ddp" and not find_unused:
-            raise UnsupportedEngineError(
-                f"{form} freezes blocks after DDP wrapped the model, so DDP must look for unused parameters, but it "
-                "runs with find_unused_parameters=False and would fail with 'Expected to have finished reduction' "
-                "(axolotl #1474). Set TrainingArguments(ddp_find_unused_parameters=True) (the Trainer turns it off "
-                "with gradient checkpointing) or call hf_lisa.distributed.configure_trainer_for_lisa(trainer); in a "
-                "custom loop, build DDP with find_unused_parameters=True."
-            )
-        if engine == "ddp" and static_graph:
-            raise UnsupportedEngineError(
-                f"{form} changes the set of parameters with gradients every K steps, which DDP's static_graph=True "
-                "forbids. Set TrainingArguments(ddp_static_graph=False), or build DDP with static_graph=False."
-            )
-        if reentrant:
-            raise UnsupportedEngineError(
-                f"{form} under DDP needs find_unused_parameters=True, which reentrant activation checkpointing "
-                "breaks ('Expected to mark a variable ready only once'). Use non-reentrant checkpointing: "
-                "TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': False}) (transformers' default)."
-            )
-    unfixed_fsdp2 = engine == "fsdp2" and model is not None and not getattr(model, "_lisa_unfreeze_fix", False)
-    if unfixed_fsdp2 and fsdp2_unfreeze_fix_needed(model):
-        raise UnsupportedEngineError(
-            f"{form} with FSDP2 and a low-precision MixedPrecisionPolicy fails on torch {torch.__version__} when "
-            f"a block frozen at the first forward is unfrozen later (pytorch#186998, fixed in "
-            f"{FSDP2_UNFREEZE_FIXED_IN}). Call hf_lisa.distributed.install_fsdp2_unfreeze_fix(model) after "
-            "fully_shard (fully_shard_blocks does it), upgrade torch, or drop param_dtype from the policy."
-        )
+    _check_deepspeed(engine, form)
+    _check_optimizer_holds_params(optimizer, params, form)
+    _check_fsdp1(engine, model, args, form)
+    _check_ddp(engine, model, args, form)
+    _check_fsdp2(engine, model, form)
     return engine
 
 

@@ -168,6 +168,88 @@ def _framework_versions() -> list[tuple[str, str]]:
     return out
 
 
+def _card_base_model(base_model: Optional[str], card_data: dict, summary: TrainingSummary,
+                     recorded_base: Optional[str]) -> Optional[str]:
+    """The base model's Hub id for the metadata (popped from ``card_data``); warns when none is known."""
+    hub_base = _resolve_hub_base_model(base_model, card_data.pop("base_model", None), summary.base_model,
+                                       recorded_base)
+    if hub_base is None:
+        local = base_model or summary.base_model or recorded_base
+        logger.warning(
+            "No Hub id is known for the base model (%s): the card leaves base_model out, so the model will not be "
+            "listed under its base model. Pass base_model='namespace/name' or set it in training_summary.json.",
+            "a local path" if local else "unknown",
+        )
+    return hub_base
+
+
+def _card_metadata(mode: str, method: str, task_type: str, hub_base: Optional[str], summary: TrainingSummary,
+                   card_data: dict, license: Optional[str], datasets: list[str], metrics: dict, model_name: str):
+    """The card's YAML metadata: library, license, tags, datasets, pipeline, model-index, base model, overrides."""
+    from huggingface_hub import ModelCardData
+
+    is_adapter = method in METHODS and METHODS[method].is_adapter
+    tags = ["lisa"] + (["peft"] if mode == "adapter" or is_adapter else []) + [method]
+    tags += [t for t in card_data.pop("tags", []) or [] if t not in tags]
+    metadata = {
+        "library_name": "peft" if mode == "adapter" else "transformers",
+        "license": card_data.pop("license", None) or summary.license or license,
+        "tags": list(dict.fromkeys(tags)),
+        "datasets": datasets or None,
+        "pipeline_tag": TASK_TYPE_TO_PIPELINE_TAG.get(task_type),
+        "eval_results": _eval_results(metrics, TASK_TYPE_TO_PIPELINE_TAG.get(task_type, "text-generation"),
+                                      datasets, summary.dataset_name, model_name),
+    }
+    if metadata["eval_results"]:
+        metadata["model_name"] = model_name  # model-index needs a name; elsewhere it is noise in the metadata
+    if hub_base:
+        metadata["base_model"] = hub_base
+        metadata["base_model_relation"] = "adapter" if mode == "adapter" else "finetune"
+    metadata.update(card_data)
+    return ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
+
+
+def _usage_fields(repo_id: Optional[str], hub_base: Optional[str], recorded_base: Optional[str],
+                  model_config: Optional[dict], task_type: str) -> dict:
+    """The template fields of the loading snippet: repo, base model and the auto classes to load with."""
+    if model_config is not None and model_config.get("architectures"):
+        auto_class = _auto_class_name_for(model_config)
+    else:
+        auto_class = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
+    # PEFT's auto classes mirror transformers' names: AutoModelForCausalLM -> AutoPeftModelForCausalLM
+    peft_auto = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM").replace("AutoModel", "AutoPeftModel")
+    local_display = os.path.basename(os.path.normpath(str(recorded_base))) if recorded_base else "unknown"
+    return {
+        "repo_id": repo_id or "<namespace>/<repo>",
+        "base_model": hub_base,
+        "base_model_display": local_display,
+        "auto_class": auto_class,
+        "peft_auto_class": peft_auto,
+    }
+
+
+def _training_fields(mode: str, method: str, adapter_config: Optional[dict], summary: TrainingSummary,
+                     metrics: dict, datasets: list[str], loss_plot: Optional[str]) -> dict:
+    """The template fields of how it was trained: method, the training and module tables, metrics, loss plot."""
+    config_for_rows = adapter_config if (adapter_config or {}).get("r") else None
+    sparse = config_for_rows is not None and (
+        float(config_for_rows.get("sparsity") or 0) > 0 or any((config_for_rows.get("sparsity_pattern") or {}).values())
+    )
+    return {
+        "method": method,
+        "method_title": METHOD_TITLES.get(method, method),
+        "merged_from_adapter": mode == "merged" and adapter_config is not None,
+        "has_masks": sparse,
+        "interpolation": bool((adapter_config or {}).get("layer_interpolation")),
+        "training_rows": _training_rows(method, adapter_config, summary),
+        "module_groups": _module_groups(config_for_rows) if config_for_rows else [],
+        "hyperparameters": [(_cell(k), _cell(_fmt(v))) for k, v in summary.hyperparameters.items()],
+        "metrics": [(_cell(k), _cell(_fmt(v))) for k, v in metrics.items()],
+        "datasets": datasets,
+        "loss_plot": loss_plot,
+    }
+
+
 def render_model_card(
     repo_id: Optional[str] = None,
     mode: str = "adapter",
@@ -216,7 +298,7 @@ def render_model_card(
         'adapter'
         ```
     """
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCard
 
     from .. import model_cards
 
@@ -226,74 +308,21 @@ def render_model_card(
         summary = TrainingSummary.from_dict(summary)
     card_data = dict(card_data or {})
     recorded_base = (adapter_config or {}).get("base_model_name_or_path") or (model_config or {}).get("_name_or_path")
-    hub_base = _resolve_hub_base_model(base_model, card_data.pop("base_model", None), summary.base_model,
-                                       recorded_base)
-    if hub_base is None:
-        local = base_model or summary.base_model or recorded_base
-        logger.warning(
-            "No Hub id is known for the base model (%s): the card leaves base_model out, so the model will not be "
-            "listed under its base model. Pass base_model='namespace/name' or set it in training_summary.json.",
-            "a local path" if local else "unknown",
-        )
+    hub_base = _card_base_model(base_model, card_data, summary, recorded_base)
     method = _method_of(mode, adapter_config, summary)
     task_type = str((adapter_config or {}).get("task_type") or "CAUSAL_LM").upper()
     datasets = list(summary.datasets) or ([summary.dataset_name] if summary.dataset_name else [])
     metrics = {k: v for k, v in summary.metrics.items() if v is not None}
     model_name = (repo_id or "model").split("/")[-1]
-
-    is_adapter = method in METHODS and METHODS[method].is_adapter
-    tags = ["lisa"] + (["peft"] if mode == "adapter" or is_adapter else []) + [method]
-    tags += [t for t in card_data.pop("tags", []) or [] if t not in tags]
-    metadata = {
-        "library_name": "peft" if mode == "adapter" else "transformers",
-        "license": card_data.pop("license", None) or summary.license or license,
-        "tags": list(dict.fromkeys(tags)),
-        "datasets": datasets or None,
-        "pipeline_tag": TASK_TYPE_TO_PIPELINE_TAG.get(task_type),
-        "eval_results": _eval_results(metrics, TASK_TYPE_TO_PIPELINE_TAG.get(task_type, "text-generation"),
-                                      datasets, summary.dataset_name, model_name),
-    }
-    if metadata["eval_results"]:
-        metadata["model_name"] = model_name  # model-index needs a name; elsewhere it is noise in the metadata
-    if hub_base:
-        metadata["base_model"] = hub_base
-        metadata["base_model_relation"] = "adapter" if mode == "adapter" else "finetune"
-    metadata.update(card_data)
-    data = ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
-
-    hyperparameters = [(_cell(k), _cell(_fmt(v))) for k, v in summary.hyperparameters.items()]
-    config_for_rows = adapter_config if (adapter_config or {}).get("r") else None
-    if model_config is not None and model_config.get("architectures"):
-        auto_class = _auto_class_name_for(model_config)
-    else:
-        auto_class = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
-    # PEFT's auto classes mirror transformers' names: AutoModelForCausalLM -> AutoPeftModelForCausalLM
-    peft_auto = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM").replace("AutoModel", "AutoPeftModel")
-    local_display = os.path.basename(os.path.normpath(str(recorded_base))) if recorded_base else "unknown"
-    sparse = config_for_rows is not None and (
-        float(config_for_rows.get("sparsity") or 0) > 0 or any((config_for_rows.get("sparsity_pattern") or {}).values())
-    )
+    data = _card_metadata(mode, method, task_type, hub_base, summary, card_data, license, datasets, metrics,
+                          model_name)
     return ModelCard.from_template(
         data,
         template_path=template_path or model_cards.template_path(),
         title=model_name,
         mode=mode,
-        repo_id=repo_id or "<namespace>/<repo>",
-        base_model=hub_base,
-        base_model_display=local_display,
-        method=method,
-        method_title=METHOD_TITLES.get(method, method),
-        merged_from_adapter=mode == "merged" and adapter_config is not None,
-        has_masks=sparse,
-        interpolation=bool((adapter_config or {}).get("layer_interpolation")),
-        auto_class=auto_class,
-        peft_auto_class=peft_auto,
-        training_rows=_training_rows(method, adapter_config, summary),
-        module_groups=_module_groups(config_for_rows) if config_for_rows else [],
-        hyperparameters=hyperparameters,
-        metrics=[(_cell(k), _cell(_fmt(v))) for k, v in metrics.items()],
-        datasets=datasets,
-        loss_plot=loss_plot,
+        **_usage_fields(repo_id, hub_base, recorded_base, model_config, task_type),
+        **_training_fields(mode, method, adapter_config, summary, metrics, datasets, loss_plot),
         versions=_framework_versions(),
     )
 

@@ -188,6 +188,61 @@ def _inherit_license(api, hub_base: Optional[str]) -> Optional[str]:
     return license_ if isinstance(license_, str) else None
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The steps of a push
+# ----------------------------------------------------------------------------------------------------------------------
+def _check_push_args(repo_id: str, mode: Optional[str], max_retries: int, retry_base_wait: float) -> None:
+    """Refuse an invalid mode, repo id or retry setting before anything is built."""
+    from huggingface_hub.utils import validate_repo_id
+
+    if mode is not None and mode not in PUSH_MODES:
+        raise ValueError(f"mode={mode!r} is invalid; allowed: {PUSH_MODES} (or None to choose from the input).")
+    validate_repo_id(repo_id)
+    if "/" not in repo_id:
+        raise ValueError(f"repo_id={repo_id!r} is invalid; expected 'namespace/name'.")
+    if max_retries < 0 or retry_base_wait < 0:
+        raise ValueError(f"max_retries={max_retries} and retry_base_wait={retry_base_wait} must be >= 0.")
+
+
+def _stage_for_hub(model_or_dir, mode: Optional[str], folder: str, tokenizer, max_shard_size: Union[int, str],
+                   base_model: Optional[str], training_summary, card_data: Optional[dict]):
+    """Stage the weights in ``folder`` and resolve the base model's Hub id: ``(staged, hub_base)``."""
+    staged = _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, training_summary)
+    hub_base = _resolve_hub_base_model(base_model, (card_data or {}).get("base_model"), staged.summary.base_model,
+                                       staged.source_base)
+    if staged.mode == "adapter":
+        _point_adapter_config_at_hub(staged, hub_base)
+    return staged, hub_base
+
+
+def _card_for(api, repo_id: str, staged, hub_base: Optional[str], card, card_data: Optional[dict]):
+    """The card to upload: rendered from the staged files, or the caller's card with a missing license filled in."""
+    from huggingface_hub import ModelCard
+
+    if card is None:
+        license_ = None
+        if not (card_data or {}).get("license") and not staged.summary.license:
+            license_ = _inherit_license(api, hub_base)
+        return render_model_card(
+            repo_id, staged.mode, base_model=hub_base, adapter_config=staged.adapter_config,
+            model_config=staged.model_config, summary=staged.summary, card_data=card_data,
+            loss_plot=staged.loss_plot, license=license_,
+        )
+    if not card.data.license and (license_ := _inherit_license(api, hub_base)):
+        card = ModelCard(card.content)  # a copy: the caller's card stays as it was
+        card.data.license = license_
+    return card
+
+
+def _commit_message(commit_message: Optional[str], staged) -> str:
+    """The given commit message, else "Upload adapter (hf-lisa, <method>)" / "Upload merged weights (...)"."""
+    method = _method_of(staged.mode, staged.adapter_config, staged.summary)
+    return commit_message or (
+        f"Upload adapter (hf-lisa, {method})" if staged.mode == "adapter"
+        else f"Upload merged weights (hf-lisa, {method})"
+    )
+
+
 def push_to_hub(
     model_or_dir,
     repo_id: str,
@@ -259,44 +314,18 @@ def push_to_hub(
         >>> hf_lisa.push_to_hub("outputs/smollm2-lisa", "me/smollm2-lisa-merged", mode="merged")  # doctest: +SKIP
         ```
     """
-    from huggingface_hub import HfApi, ModelCard, get_token
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub import HfApi, get_token
 
-    if mode is not None and mode not in PUSH_MODES:
-        raise ValueError(f"mode={mode!r} is invalid; allowed: {PUSH_MODES} (or None to choose from the input).")
-    validate_repo_id(repo_id)
-    if "/" not in repo_id:
-        raise ValueError(f"repo_id={repo_id!r} is invalid; expected 'namespace/name'.")
-    if max_retries < 0 or retry_base_wait < 0:
-        raise ValueError(f"max_retries={max_retries} and retry_base_wait={retry_base_wait} must be >= 0.")
-
+    _check_push_args(repo_id, mode, max_retries, retry_base_wait)
     with tempfile.TemporaryDirectory(prefix="hf-lisa-push-") as folder:
-        staged = _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, training_summary)
-        hub_base = _resolve_hub_base_model(base_model, (card_data or {}).get("base_model"), staged.summary.base_model,
-                                           staged.source_base)
-        if staged.mode == "adapter":
-            _point_adapter_config_at_hub(staged, hub_base)
+        staged, hub_base = _stage_for_hub(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model,
+                                          training_summary, card_data)
         api = HfApi(endpoint=endpoint, token=token)
-        if card is None:
-            license_ = None
-            if not (card_data or {}).get("license") and not staged.summary.license:
-                license_ = _inherit_license(api, hub_base)
-            card = render_model_card(
-                repo_id, staged.mode, base_model=hub_base, adapter_config=staged.adapter_config,
-                model_config=staged.model_config, summary=staged.summary, card_data=card_data,
-                loss_plot=staged.loss_plot, license=license_,
-            )
-        elif not card.data.license and (license_ := _inherit_license(api, hub_base)):
-            card = ModelCard(card.content)  # a copy: the caller's card stays as it was
-            card.data.license = license_
+        card = _card_for(api, repo_id, staged, hub_base, card, card_data)
         card.save(os.path.join(folder, README_NAME))
         files = _collect_files(folder, staged.mode, staged.loss_plot)
         _validate_staged(staged, files)
-        method = _method_of(staged.mode, staged.adapter_config, staged.summary)
-        message = commit_message or (
-            f"Upload adapter (hf-lisa, {method})" if staged.mode == "adapter"
-            else f"Upload merged weights (hf-lisa, {method})"
-        )
+        message = _commit_message(commit_message, staged)
         info = _upload(api, repo_id, folder, files, message, private, revision, max_retries, retry_base_wait,
                        _Redactor(token or get_token()))
     logger.info("Pushed %s to %s: %s", staged.mode, repo_id, info)
