@@ -190,7 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"rewrite the generated sections of FILE (default: {', '.join(DOC_FILES)}) instead of printing",
     )
     reference.set_defaults(func=_config_reference)
+    _refuse_abbreviations(parser)
     return parser
+
+
+def _refuse_abbreviations(parser: argparse.ArgumentParser) -> None:
+    """``--mod`` is not ``--mode``: a prefix of a flag is refused in every (sub)command, as in ``hf-lisa train``."""
+    parser.allow_abbrev = False  # read when parsing
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                _refuse_abbreviations(subparser)
 
 
 def exit_status(err: BaseException) -> int:

@@ -241,6 +241,32 @@ CASES = [
           message=r"train_file='.*empty.jsonl' is empty"),
     error("validation_file-missing", "--validation_file", "{tmp}/missing.jsonl",
           message=r"validation_file='.*missing.jsonl' does not exist"),
+    # -- numbers out of their bounds, abbreviations, a missing --deepspeed file: before anything loads ----------------
+    error("learning_rate-negative-exponent-spaced", "--learning_rate", "-1e-4",
+          message=r"--learning_rate=-0\.0001 is invalid; allowed: a number > 0"),
+    error("batch-size-0", "--per_device_train_batch_size", "0",
+          message=r"--per_device_train_batch_size=0 is invalid; allowed: an integer >= 1"),
+    error("eval-batch-size-0", "--per_device_eval_batch_size", "0",
+          message=r"--per_device_eval_batch_size=0 is invalid; allowed: an integer >= 1"),
+    error("gradient-accumulation-0", "--gradient_accumulation_steps", "0",
+          message=r"--gradient_accumulation_steps=0 is invalid; allowed: an integer >= 1"),
+    error("max_train_samples-negative", "--max_train_samples", "-5",
+          message=r"--max_train_samples=-5 is invalid; allowed: an integer >= 1"),
+    error("max_train_samples-0", "--max_train_samples", "0",
+          message=r"--max_train_samples=0 is invalid; allowed: an integer >= 1"),
+    error("max_eval_samples-0", "--max_eval_samples", "0",
+          message=r"--max_eval_samples=0 is invalid; allowed: an integer >= 1"),
+    error("max_steps-0", "--max_steps", "0",
+          message=r"--max_steps=0 is invalid; allowed: an integer >= 1, or -1 \(the default\)"),
+    error("num_train_epochs-0", "--max_steps", "-1", "--num_train_epochs", "0",
+          message=r"--num_train_epochs=0\.0 trains no step; allowed: a number > 0, or --max_steps N"),
+    error("max_seq_length-0", "--max_seq_length", "0", message=r"--max_seq_length=0 is invalid; allowed: an integer"),
+    error("validation_split-100", "--validation_split_percentage", "100",
+          message=r"--validation_split_percentage=100\.0 is invalid; allowed: a number in \[0, 100\)"),
+    error("flag-abbreviation", "--lisa_interval_step", "5",
+          message=r"unrecognised argument\(s\): '--lisa_interval_step' \(did you mean '--lisa_interval_steps'\?\)"),
+    error("deepspeed-file-missing", "--deepspeed", "{tmp}/missing_ds.json",
+          message=r"--deepspeed='.*missing_ds\.json': no such file; allowed: the path of a DeepSpeed JSON config"),
     # -- inputs that look odd but are right: they train ----------------------------------------------------------------
     trained("yaml-one-value-for-a-list-option", config="run.yaml",
             files={"run.yaml": "method: lora\nr: 4\ntarget_modules: q_proj\nlearning_rate: 1e-3\n"}),
@@ -366,6 +392,7 @@ def test_the_table_has_sixty_cases_each_with_an_expected_outcome():
 
 
 # -- the demo's model: checked from its config.json, before any weight loads ------------------------------------------
+@pytest.mark.gguf  # the embedded SmolLM2, converted from its GGUF file (skipped until it is)
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -454,6 +481,7 @@ def _script(name: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", "hf_lisa.cli"]
 
 
+@pytest.mark.slow  # python -m hf_lisa.train and the hf-lisa script, as processes
 @pytest.mark.parametrize(
     "command, files, env, status, message",
     [
@@ -476,6 +504,7 @@ def test_a_process_exits_with_one_message(paths, tmp_path, command, files, env, 
     assert re.search(message, result.stderr.strip().splitlines()[-1]), result.stderr[-3000:]
 
 
+@pytest.mark.slow  # a training process, interrupted with SIGINT
 def test_sigint_stops_a_process_with_130_naming_the_newest_complete_checkpoint(paths, tmp_path):
     out = tmp_path / "out"
     argv = [_fill(token, paths, tmp_path) for token in BASE]

@@ -84,7 +84,7 @@ def hub_cli(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "push":
         argv = argv[1:]
-    parser = add_push_arguments(argparse.ArgumentParser(prog="hf-lisa push", description=PUSH_DESCRIPTION))
+    parser = add_push_arguments(argparse.ArgumentParser(prog="hf-lisa push", description=PUSH_DESCRIPTION, allow_abbrev=False))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help and on errors

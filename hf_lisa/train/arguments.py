@@ -19,6 +19,7 @@ from ..errors import UsageError
 from ..methods import DEFAULT_METHOD, FULL_LISA, LISA_ADAPTER, METHODS, get_method, method_names
 from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
 from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
+from .bounds import attach_negative_values, check_bounds, check_deepspeed_file
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from ..optim.memory import check_memory_options, memory_fields
 from .options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS, check_method_options, resolve_method_defaults, uses
@@ -381,6 +382,7 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
     parser = HfArgumentParser(
         _argument_classes(),
         prog="hf-lisa train",
+        allow_abbrev=False,  # --lisa_interval_step is a typo, not --lisa_interval_steps
         usage="hf-lisa train [CONFIG.yaml|CONFIG.json] [--option value ...]",
         description="Fine-tune a causal LM with LISA, LoRA, DoRA or full fine-tuning. A config file's values are the "
         "defaults; command-line options override them. `hf-lisa config-reference` lists every option.",
@@ -419,6 +421,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
         source = argv.pop(0)
         values.update(load_config_file(source))
     parser = build_parser(values, source)
+    argv = attach_negative_values(argv)
+    check_deepspeed_file(getattr(parser.parse_known_args(argv)[0], "deepspeed", None))
     *parsed, remaining = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True, look_for_args_file=False
     )
@@ -446,6 +450,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         model_args.torch_dtype in ("float32", "bfloat16", "float16", "auto"),
         f"--torch_dtype={model_args.torch_dtype!r} is invalid; allowed: float32, bfloat16, float16, auto.",
     )
+    check_bounds(data_args, training_args)
     learning_rate = training_args.learning_rate
     need(
         0.0 < learning_rate < float("inf"),  # NaN fails too
