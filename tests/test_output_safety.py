@@ -392,6 +392,7 @@ HANDLED = [
 ]
 
 
+@pytest.mark.slow  # full hf-lisa train runs (overwrites, resumes), 1-4 s each
 @pytest.mark.parametrize("case", HANDLED, ids=[case.id for case in HANDLED])
 def test_handled(case, tiny, runs, tmp_path, monkeypatch):
     ctx = Ctx(tmp_path, tiny, runs, monkeypatch)
@@ -418,6 +419,7 @@ def _disk_full_at(monkeypatch, where: str) -> None:
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save)
 
 
+@pytest.mark.slow  # a full hf-lisa train run up to the failing save
 def test_disk_full_during_a_checkpoint_leaves_the_previous_checkpoints(tiny, tmp_path, monkeypatch):
     _disk_full_at(monkeypatch, ".partial-checkpoint-4")
     with pytest.raises(OSError, match="No space left"):
@@ -426,6 +428,7 @@ def test_disk_full_during_a_checkpoint_leaves_the_previous_checkpoints(tiny, tmp
     assert _assert_checkpoints_complete(tmp_path / "out") == ["checkpoint-2"]
 
 
+@pytest.mark.slow  # a full hf-lisa train run up to the failing save
 def test_disk_full_during_the_final_save_leaves_the_previous_model(tiny, runs, tmp_path, monkeypatch):
     ctx = Ctx(tmp_path, tiny, runs, monkeypatch)
     ctx.copy_run("lisa-adapter")
@@ -465,6 +468,7 @@ def _run_until_blocked_then_kill(argv: list[str], point: str, match: str) -> str
         proc.stdout.close()
 
 
+@pytest.mark.slow  # a training process, killed during the save, then a resumed run
 @pytest.mark.parametrize("point, match", [("weights", ".partial-checkpoint-4"), ("lisa_state", "checkpoint-4")],
                          ids=["half-written-weights", "before-the-lisa-schedule"])
 def test_sigkill_during_a_checkpoint_save_then_resume_latest(tiny, tmp_path, point, match):
@@ -482,6 +486,7 @@ def test_sigkill_during_a_checkpoint_save_then_resume_latest(tiny, tmp_path, poi
     assert not [n for n in os.listdir(out) if n.startswith(".")] and _model_in(out) == "model"
 
 
+@pytest.mark.slow  # a training process, killed during the save
 @pytest.mark.parametrize("point, match", [("weights", ".partial-final"),
                                           ("rename", os.path.join(".partial-final", "model.safetensors"))],
                          ids=["half-written-weights", "between-the-renames"])
@@ -499,3 +504,19 @@ def test_sigkill_during_the_final_save_leaves_no_half_model(tiny, runs, tmp_path
     else:  # the previous model was gone and the new weights not yet in place: no model at all, not half of one
         assert found is None and "adapter_model.safetensors" not in os.listdir(ctx.out)
     assert _assert_checkpoints_complete(ctx.out) == ["checkpoint-2", "checkpoint-4"]  # this run's, complete
+
+
+@pytest.mark.parametrize("method", ["lisa", "lora"])
+def test_resume_from_the_checkpoint_at_max_steps_trains_nothing_and_says_so(method, tiny, runs, tmp_path, capsys):
+    """The Ctrl-C message recommends resuming; from the checkpoint at ``--max_steps`` that must change nothing
+    (transformers would train step N+1 and save the model again)."""
+    out = shutil.copytree(runs[method], tmp_path / "out")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in Path(out).iterdir() if p.is_file()}
+    capsys.readouterr()
+    result = main(_argv(tiny, out, method, "--resume_from_checkpoint", "latest", "--lr_scheduler_type", "constant"))
+    said = capsys.readouterr().out
+    assert result["trained_steps"] == 0 and result["global_step"] == 4
+    assert re.search(r"checkpoint-4 was saved at step 4, and --max_steps is 4: nothing left to train", said), said
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in Path(out).iterdir() if p.is_file()}
+    assert after == before  # no file rewritten, the model included
+    assert sorted(p.name for p in Path(out).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

@@ -108,6 +108,12 @@ def checkpoint_problem(path: str) -> Optional[str]:
     return None
 
 
+def checkpoint_step(path: str) -> int:
+    """The optimizer step a complete checkpoint was saved at (its ``trainer_state.json``'s ``global_step``)."""
+    with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f).get("global_step", 0))
+
+
 def latest_checkpoint(output_dir: str) -> Optional[str]:
     """The newest complete ``checkpoint-N`` of ``output_dir`` (:func:`checkpoint_problem`), or ``None``."""
     if not os.path.isdir(output_dir):

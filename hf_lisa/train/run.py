@@ -32,7 +32,7 @@ from .outputs import (
     staged_final_model,
     write_model_card,
 )
-from .output_dir import check_output_dir, clear_previous_run
+from .output_dir import check_output_dir, checkpoint_step, clear_previous_run
 from .preflight import check_before_loading
 from .quantization import prepare_quantized_model
 from .trainer import LisaTrainer
@@ -82,6 +82,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     push_repo = training_args.hub_model_id if training_args.push_to_hub else None
     training_args.push_to_hub = False
     _check_and_prepare(model_args, lisa_args, training_args)
+    finished = _finished_checkpoint(training_args)
+    if finished is not None:
+        return finished
     raw, bundled = _load_data(model_args, data_args, training_args)
     job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started)
     job.build()
@@ -103,6 +106,23 @@ def _check_and_prepare(model_args, lisa_args, training_args) -> None:
     set_seed(training_args.seed)
     check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
     check_before_loading(model_args, lisa_args, training_args)  # the model's config on meta: seconds, no weights
+
+
+def _finished_checkpoint(training_args) -> Optional[dict]:
+    """A resume from a checkpoint saved at ``--max_steps`` (or later) trains nothing and writes nothing: say so and
+    return ``{"output_dir", "resumed_from", "global_step", "trained_steps": 0}``; ``None`` when there is a step to
+    train. (transformers would run one more step past ``max_steps`` and save the model again.)"""
+    checkpoint, max_steps = training_args.resume_from_checkpoint, training_args.max_steps
+    if not checkpoint or max_steps <= 0:
+        return None
+    step = checkpoint_step(checkpoint)
+    if step < max_steps:
+        return None
+    if training_args.process_index == 0:
+        print(f"[{SUMMARY_PREFIX}] {checkpoint} was saved at step {step}, and --max_steps is {max_steps}: nothing "
+              "left to train, nothing written. Raise --max_steps to train further from it.", flush=True)
+    return {"output_dir": training_args.output_dir, "resumed_from": checkpoint, "global_step": step,
+            "trained_steps": 0}
 
 
 def _load_data(model_args, data_args, training_args):
