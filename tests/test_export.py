@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,7 @@ def test_dense_adapter_becomes_lora_exactly(dense, tmp_path):
     assert json.loads((tmp_path / "lora" / "lisa_export.json").read_text())["exact"] is True
 
 
+@pytest.mark.slow  # a fresh python process
 def test_plain_peft_in_a_fresh_process_reproduces_the_logits(base, dense, tmp_path):
     export_lora(dense, tmp_path / "lora", check_logits=False)
     model = hf_lisa.from_pretrained(dense, torch_dtype=torch.float32).eval()
@@ -216,6 +218,24 @@ def test_cli_exit_statuses(dense, tmp_path, capsys):
     assert "invalid choice: 'q4_0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind", ["merged", "lora", "gguf"])
+def test_no_export_writes_into_the_base_its_adapter_reads(kind, base, dense, tmp_path, capsys):
+    """``hf-lisa export merged ADAPTER BASE --overwrite`` replaced the base's weights (the adapter then applied twice
+    on the next load): the base named by the adapter config, or by --base_model, is a source like the adapter."""
+    from hf_lisa.cli import main
+
+    before = {name: os.path.getmtime(os.path.join(base, name)) for name in os.listdir(base)}
+    out = os.path.join(base, "model.gguf") if kind == "gguf" else base
+    argv = ["export", kind, dense, out, "--overwrite"] + (["--skip_logit_check"] if kind != "gguf" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the source {base!r}" in err and "never writes over what it reads" in err, err
+    copied = shutil.copytree(dense, tmp_path / "adapter")  # the base given on the command line counts too
+    assert main(["export", "merged", str(copied), base, "--overwrite", "--base_model", base]) == 2
+    assert "never writes over what it reads" in capsys.readouterr().err
+    assert {name: os.path.getmtime(os.path.join(base, name)) for name in os.listdir(base)} == before
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # GGUF
 # ----------------------------------------------------------------------------------------------------------------------
@@ -234,6 +254,7 @@ def _f16_rounded(model):
 
 
 @needs_gguf
+@pytest.mark.gguf
 def test_gguf_f16_round_trip_reproduces_the_greedy_generations(sparse, tmp_path):
     report = export_gguf(sparse, tmp_path / "model.gguf", gguf_type="f16")
     assert report.architecture == "llama" and report.tokenizer_source == "written from tokenizer.json"
@@ -254,6 +275,7 @@ def test_gguf_f16_round_trip_reproduces_the_greedy_generations(sparse, tmp_path)
 
 
 @needs_gguf
+@pytest.mark.gguf
 def test_gguf_q8_0_holds_each_block_to_its_quantization_step(sparse, tmp_path):
     report = export_gguf(sparse, tmp_path / "model.gguf", gguf_type="q8_0", verify_prompts=4)
     assert report.type == "q8_0" and report.verification["prompts"] == 4
@@ -275,6 +297,7 @@ def test_gguf_q8_0_holds_each_block_to_its_quantization_step(sparse, tmp_path):
 
 
 @needs_gguf
+@pytest.mark.gguf
 @pytest.mark.parametrize("model_type,tie,pre", [("llama", False, None), ("qwen2", True, "qwen2")])
 def test_gguf_other_layouts_load_back_exactly(model_type, tie, pre, tmp_path):
     source = _save_base(tmp_path / "model", model_type=model_type, tie=tie, seed=3)
@@ -295,6 +318,7 @@ def test_gguf_other_layouts_load_back_exactly(model_type, tie, pre, tmp_path):
 
 
 @needs_gguf
+@pytest.mark.gguf
 def test_gguf_refuses_what_it_cannot_write(base, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
@@ -313,6 +337,7 @@ def test_gguf_refuses_what_it_cannot_write(base, tmp_path):
 
 
 @needs_gguf
+@pytest.mark.gguf
 def test_metadata_reader_agrees_with_gguf_reader(sparse, tmp_path):
     export_gguf(sparse, tmp_path / "model.gguf")
     gguf = pytest.importorskip("gguf")
@@ -325,6 +350,7 @@ def test_metadata_reader_agrees_with_gguf_reader(sparse, tmp_path):
 
 
 @needs_gguf
+@pytest.mark.gguf
 def test_demo_tokenizer_metadata_is_copied_from_the_demo_gguf():
     from transformers import AutoTokenizer
 

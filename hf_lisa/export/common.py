@@ -27,6 +27,20 @@ def _same_or_inside(path: str, other: str) -> bool:
     return path == other or other.startswith(path.rstrip(os.sep) + os.sep)
 
 
+def sources_of(source: Optional[str], base_model: Optional[str] = None) -> tuple[Optional[str], ...]:
+    """What an export of ``source`` reads: the folder itself, the base model given, and the base its adapter config
+    records (``base_model_name_or_path``), so that none of them can be the output."""
+    recorded = None
+    config = os.path.join(source, ADAPTER_CONFIG_NAME) if source else ""
+    if config and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                recorded = json.load(f).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    return (source, base_model, recorded if isinstance(recorded, str) else None)
+
+
 def check_output_path(
     out: str, sources: tuple[Optional[str], ...], overwrite: bool, what: str, is_file: bool = False
 ) -> None:

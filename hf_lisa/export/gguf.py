@@ -28,6 +28,7 @@ from .common import (
     load_merged_model,
     prompt_ids,
     require_gguf,
+    sources_of,
     staged_file,
 )
 from .gguf_tokenizer import TOKENS_KEY, tokenizer_metadata
@@ -294,7 +295,7 @@ def export_gguf(
         raise UsageError(f"type={gguf_type!r} is invalid; allowed: {GGUF_TYPES}.")
     if isinstance(verify_prompts, bool) or not isinstance(verify_prompts, int) or verify_prompts < 0:
         raise UsageError(f"verify_prompts={verify_prompts!r} is invalid; allowed: an integer >= 0.")
-    check_output_path(out_file, (source,), overwrite, "OUT_FILE", is_file=True)
+    check_output_path(out_file, sources_of(source, base_model), overwrite, "OUT_FILE", is_file=True)
     model, tokenizer = load_merged_model(source, base_model)
     check_supported(model.config)  # before anything is written
     with staged_file(out_file) as staging:

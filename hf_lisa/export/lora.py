@@ -34,6 +34,7 @@ from .common import (
     logits,
     max_logit_difference,
     read_adapter,
+    sources_of,
     staged_directory,
     write_json,
 )
@@ -334,7 +335,7 @@ def export_lora(
     """
     if max_error is not None and not (isinstance(max_error, (int, float)) and max_error >= 0):
         raise UsageError(f"max_error={max_error!r} is invalid; allowed: a number >= 0 (relative Frobenius error).")
-    check_output_path(out_dir, (adapter_dir,), overwrite, "OUT_DIR")
+    check_output_path(out_dir, sources_of(adapter_dir, base_model), overwrite, "OUT_DIR")
     adapter_config, state_dict = read_adapter(adapter_dir)
     lora_config, tensors, modules = convert_lisa_to_lora(adapter_config, state_dict, rank)
     report = LoraExportReport(out_dir=None, exact=all(m.method == "copied" for m in modules), rank=lora_config.r,

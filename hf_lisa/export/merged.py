@@ -17,6 +17,7 @@ from .common import (
     load_tokenizer,
     logits,
     max_logit_difference,
+    sources_of,
     staged_directory,
 )
 
@@ -92,7 +93,7 @@ def export_merged(
     from ..hub.staging import _stage_directory
     from ..hub.summary import TrainingSummary
 
-    check_output_path(out_dir, (source,), overwrite, "OUT_DIR")
+    check_output_path(out_dir, sources_of(source, base_model), overwrite, "OUT_DIR")
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source {source!r} is not a directory (an hf-lisa train output or adapter folder).")
     with staged_directory(out_dir) as staging:
