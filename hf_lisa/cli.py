@@ -25,17 +25,19 @@ run (tests/test_lazy_imports.py).
 from __future__ import annotations
 
 import argparse
+import errno
+import signal
 import sys
 import traceback
 from typing import Optional, Sequence
 
-from .errors import RunError
+from .errors import WHILE_RUNNING, RunError, Terminated, UsageError
 
 COMMANDS = ("train", "demo", "push", "export", "config-reference")
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
 DOC_FILES = ("docs/training.md",)
-EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 130, 143
 #: what the user asked for cannot be used (``UsageError`` and ``DataError`` are ``ValueError``\ s): exit status 2
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
@@ -204,9 +206,18 @@ def _refuse_abbreviations(parser: argparse.ArgumentParser) -> None:
 
 
 def exit_status(err: BaseException) -> int:
-    """The exit status of a command that raised ``err``: 2 for a usage error, 130 for Ctrl-C, 1 otherwise."""
+    """The exit status of a command that raised ``err``, by the kind of failure: 130 for Ctrl-C, 143 for SIGTERM, 2 for
+    a usage error (a ``UsageError`` whenever raised; a ``ValueError`` or missing file before the run started), 1 for a
+    failure while running (anything raised once the run evaluates, trains, saves or pushes: a crash there is not the
+    user's input), and 1 otherwise."""
     if isinstance(err, KeyboardInterrupt):
         return EXIT_INTERRUPTED
+    if isinstance(err, Terminated):
+        return EXIT_TERMINATED
+    if isinstance(err, UsageError):
+        return EXIT_USAGE
+    if getattr(err, WHILE_RUNNING, None):
+        return EXIT_RUNTIME
     return EXIT_USAGE if isinstance(err, USAGE_ERRORS) else EXIT_RUNTIME
 
 
@@ -227,15 +238,15 @@ def _resume_hint(args: argparse.Namespace) -> str:
     directory, or that it has none."""
     if args.command not in ("train", "demo"):
         return ""
-    from .demo import DEMO_DEFAULTS
-    from .train import parse_args
-    from .train.output_dir import latest_checkpoint
-
     try:
+        from .demo import DEMO_DEFAULTS
+        from .train import parse_args
+        from .train.output_dir import latest_checkpoint
+
         *_, training_args = parse_args(list(args.rest), defaults=DEMO_DEFAULTS if args.command == "demo" else None)
-    except (ValueError, SystemExit):  # interrupted while its own arguments were being read
-        return ""
-    checkpoint = latest_checkpoint(training_args.output_dir)
+        checkpoint = latest_checkpoint(training_args.output_dir)
+    except BaseException:  # noqa: BLE001 - interrupted during start-up (an import cut short, its own arguments): no hint
+        return "It stopped during start-up, before training; a new run starts from the beginning."
     if checkpoint is None:
         return f"No checkpoint was saved in {training_args.output_dir!r}; a new run starts from the beginning."
     return f"Resume from {checkpoint} with the same command and --resume_from_checkpoint latest."
@@ -247,32 +258,68 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     A failure prints ``hf-lisa <command>: error: <message>`` on stderr, without a traceback unless ``--debug`` is given.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     try:
+        parser = build_parser()
         args, rest = parser.parse_known_args(argv)
         if rest and not getattr(args, "takes_train_options", False):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
     except SystemExit as exc:  # --help, or invalid arguments
         return int(exc.code or 0)
+    except KeyboardInterrupt:  # Ctrl-C before the command started
+        print("hf-lisa: interrupted.", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     args.rest, debug = _take_debug_flag(rest)
     debug = debug or args.debug
     prog = f"{parser.prog} {args.command}"
+    previous = _raise_on_sigterm()
     try:
         return args.func(args)
     except SystemExit as exc:  # hf-lisa train's argparse: --help, or an invalid value, its message already printed
         return exc.code if isinstance(exc.code, int) else EXIT_RUNTIME if exc.code else 0
-    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one place every failure becomes a message
-        if debug:
-            traceback.print_exc()
-        status = exit_status(err)
-        if status == EXIT_INTERRUPTED:
-            message = f"interrupted. {_resume_hint(args)}".rstrip()
-        else:
-            message = f"error: {err}"
-            if not isinstance(err, (ValueError, OSError, RunError)) or not str(err):  # not written for the user
-                message = f"error: {type(err).__name__}: {err}" + ("" if debug else " (--debug shows the traceback)")
-        print(f"{prog}: {message}", file=sys.stderr, flush=True)
-        return status
+    except (Exception, KeyboardInterrupt, Terminated) as err:  # noqa: BLE001 - where every failure becomes a message
+        try:
+            return _report(err, args, prog, debug)
+        except (KeyboardInterrupt, Terminated):  # a second Ctrl-C while reporting the first: still one line
+            print(f"{prog}: interrupted.", file=sys.stderr, flush=True)
+            return exit_status(err)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM raise :class:`~hf_lisa.errors.Terminated` in the main thread (the run unwinds as on Ctrl-C);
+    returns the previous handler, or ``None`` where none can be set (not the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, terminated)
+
+
+def _report(err: BaseException, args: argparse.Namespace, prog: str, debug: bool) -> int:
+    """Print the one line that ends a failed command; return its exit status."""
+    if debug:
+        traceback.print_exc()
+    status = exit_status(err)
+    if status == EXIT_INTERRUPTED:
+        message = f"interrupted. {_resume_hint(args)}".rstrip()
+    elif status == EXIT_TERMINATED:
+        message = f"terminated (SIGTERM). {_resume_hint(args)}".rstrip()
+    elif isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        where = err.filename or getattr(err, WHILE_RUNNING, None) or "the output folder"
+        message = (f"error: no space left on the device while writing {where}: free some space (or choose another "
+                   "--output_dir) and run again.")
+    else:
+        message = f"error: {err}"
+        if not isinstance(err, (ValueError, OSError, RunError)) or not str(err):  # not written for the user
+            message = f"error: {type(err).__name__}: {err}" + ("" if debug else " (--debug shows the traceback)")
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -34,3 +34,14 @@ class NothingTrainedError(RunError):
     """The first optimizer steps of a run (with a learning rate above 0, updates not deliberately withheld) changed
     no trainable parameter, or every gradient was zero or absent: the run would train nothing. Raised by
     :class:`hf_lisa.trainer_callbacks.progress.TrainingProgressGuard`, out of ``trainer.train()``."""
+
+
+class Terminated(BaseException):
+    """The process received SIGTERM (a scheduler's preemption, ``kill``): raised in the main thread by the ``hf-lisa``
+    command's handler so that the run unwinds like Ctrl-C (staged saves removed, the lock released); exit status 143
+    with the checkpoint to resume from."""
+
+
+#: the attribute :func:`hf_lisa.train.run.run` sets on an exception raised while the run evaluates, trains, saves or
+#: pushes (its value: the output folder): a failure while running, exit status 1, unless it is a ``UsageError``
+WHILE_RUNNING = "hf_lisa_while_running"

@@ -10,6 +10,7 @@ issue are in ``tests/test_data_validation.py`` and the output-directory rows in 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -167,6 +168,19 @@ CASES = [
           message=r"'meta-llama/Llama-3.2-1B' is a gated Hub model: accept its terms on its Hub page and log in"),
     error("tokenizer-missing-path", "--tokenizer_name", "{tmp}/no-tokenizer",
           message=r"--tokenizer_name='.*no-tokenizer' does not exist"),
+    # -- the model folder's files and what its config.json allows: from the file headers, before any weight is read ---
+    error("model-safetensors-truncated", "--model_name_or_path", "{truncated}",
+          message=r"--model_name_or_path='.*truncated': .*truncated/model\.safetensors is truncated or corrupt "
+          r"\(\d+ bytes, its header describes \d+\): re-download or re-save the model"),
+    error("model-shard-missing", "--model_name_or_path", "{sharded}",
+          message=r"sharded/model\.safetensors\.index\.json names the shard 'model-00002-of-00002\.safetensors', which "
+          r"is not in the folder: re-download or re-save the model"),
+    error("model-without-tokenizer", "--model_name_or_path", "{no_tokenizer}",
+          message=r"--model_name_or_path='.*no_tokenizer': no tokenizer files \(tokenizer\.json, "
+          r"tokenizer_config\.json, \.\.\.\) in the model folder; pass --tokenizer_name ID_OR_PATH"),
+    error("max_seq_length-above-positions", "--max_seq_length", "4096",
+          message=r"--max_seq_length=4096 is larger than the model's max_position_embeddings \(256\); allowed: at "
+          r"most 256"),
     # -- the learning rate ---------------------------------------------------------------------------------------------
     error("learning_rate-negative", "--learning_rate", "-0.001",
           message=r"--learning_rate=-0\.001 is invalid; allowed: a number > 0"),
@@ -241,6 +255,10 @@ CASES = [
           message=r"train_file='.*empty.jsonl' is empty"),
     error("validation_file-missing", "--validation_file", "{tmp}/missing.jsonl",
           message=r"validation_file='.*missing.jsonl' does not exist"),
+    error("train_file-row-nested-too-deeply", "--train_file", "{tmp}/deep.jsonl",
+          files={"deep.jsonl": '{"prompt": "a", "completion": "b"}\n' * 2 + '{"prompt": ' + "[" * 10000
+                 + "]" * 10000 + ', "completion": "b"}\n'},
+          message=r"train_file='.*deep\.jsonl', line 3 is nested too deeply"),
     # -- numbers out of their bounds, abbreviations, a missing --deepspeed file: before anything loads ----------------
     error("learning_rate-negative-exponent-spaced", "--learning_rate", "-1e-4",
           message=r"--learning_rate=-0\.0001 is invalid; allowed: a number > 0"),
@@ -286,7 +304,28 @@ def paths(tmp_path_factory):
         "model": build_tiny_lm_dir(root / "model", num_layers=3),
         "train": write_jsonl(root / "train.jsonl", copy_task_rows(16, seed=0)),
         "t5": str(root / "t5"),
+        **_broken_models(root, root / "model"),
     }
+
+
+def _broken_models(root: Path, model: Path) -> dict:
+    """Copies of the tiny model with a weight file cut in half, a shard missing, no tokenizer files."""
+    import json
+
+    folders = {name: root / name for name in ("truncated", "sharded", "no_tokenizer")}
+    for folder in folders.values():
+        shutil.copytree(model, folder)
+    weights = folders["truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    sharded = folders["sharded"]
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in os.listdir(folders["no_tokenizer"]):
+        if name not in ("config.json", "generation_config.json", "model.safetensors"):
+            os.remove(folders["no_tokenizer"] / name)
+    return {name: str(folder) for name, folder in folders.items()}
 
 
 class WeightsLoaded(BaseException):
@@ -391,6 +430,63 @@ def test_the_table_has_sixty_cases_each_with_an_expected_outcome():
     assert all(case.message for case in CASES if case.outcome != TRAINED)
 
 
+# -- the model's positions and weight files, checked without loading a weight ----------------------------------------
+def test_max_seq_length_is_checked_against_the_models_positions_by_model_type():
+    from transformers import GPT2Config, LlamaConfig, PretrainedConfig
+
+    from hf_lisa.errors import UsageError
+    from hf_lisa.train.preflight import check_max_seq_length
+
+    check_max_seq_length(GPT2Config(n_positions=128), 128, "gpt2")  # as long as the positions: fine
+    with pytest.raises(UsageError, match=r"^gpt2: --max_seq_length=129 is larger than the model's n_positions "
+                       r"\(128\); allowed: at most 128"):
+        check_max_seq_length(GPT2Config(n_positions=128), 129, "gpt2")
+    with pytest.raises(UsageError, match=r"--max_seq_length=4096 is larger than the model's max_position_embeddings "
+                       r"\(2048\); allowed: at most 2048"):
+        check_max_seq_length(LlamaConfig(max_position_embeddings=2048, rope_scaling={"rope_type": "linear",
+                                                                                      "factor": 4.0}), 4096, "llama")
+    check_max_seq_length(PretrainedConfig(), 1_000_000, "no position limit")  # nothing to check against
+
+
+def _safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
+    import json
+    import struct
+
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"\x01\x02", r"\(2 bytes, too short for a safetensors header\)"),
+        (_safetensors_bytes({"__metadata__": {"format": "pt"}})[:12], r"\(12 bytes, its header describes 42\)"),
+        (b"\x04" + bytes(7) + b"{]}x", r"\(12 bytes, its header is not valid JSON\)"),
+        (_safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8)),
+         r"\(78 bytes, its header describes 86\)"),
+        (_safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(24)),
+         r"\(94 bytes, its header describes 86\)"),
+        (_safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, "x"]}}, bytes(16)),
+         r"its header is not valid"),
+    ],
+    ids=["shorter-than-8-bytes", "header-cut", "header-not-json", "data-cut", "trailing-bytes", "bad-offsets"],
+)
+def test_a_corrupt_safetensors_file_is_named(tmp_path, forbid_weight_loading, content, problem):
+    from hf_lisa.errors import UsageError
+    from hf_lisa.train.preflight import check_weight_files
+
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(UsageError, match=r"^m: .*model\.safetensors is truncated or corrupt " + problem
+                       + r": re-download or re-save the model"):
+        check_weight_files(str(tmp_path), "m")
+
+
+def test_whole_safetensors_files_pass_the_header_check(paths, forbid_weight_loading):
+    from hf_lisa.train.preflight import check_weight_files
+
+    check_weight_files(paths["model"], "m")
+
+
 # -- the demo's model: checked from its config.json, before any weight loads ------------------------------------------
 @pytest.mark.gguf  # the embedded SmolLM2, converted from its GGUF file (skipped until it is)
 @pytest.mark.parametrize(
@@ -438,6 +534,82 @@ def test_ctrl_c_stops_with_130_and_names_the_checkpoint_to_resume(paths, tmp_pat
     else:
         assert message == (f"hf-lisa train: interrupted. No checkpoint was saved in '{out}'; a new run starts from "
                            "the beginning.")
+
+
+def test_sigterm_stops_with_143_and_names_the_checkpoint_to_resume(paths, tmp_path, capsys, monkeypatch):
+    from hf_lisa.train.trainer import LisaTrainer
+
+    original = LisaTrainer.training_step
+
+    def terminated_at_step_2(self, *args, **kwargs):
+        if self.state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption: the handler raises in this thread
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LisaTrainer, "training_step", terminated_at_step_2)
+    previous = signal.getsignal(signal.SIGTERM)
+    argv = [_fill(token, paths, tmp_path) for token in BASE]
+    argv += ["--max_steps", "5", "--method", "lisa", "--lisa_activated_layers", "1", "--save_strategy", "steps",
+             "--save_steps", "1"]
+    assert cli.main(["train", *argv]) == 143
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"hf-lisa train: terminated (SIGTERM). Resume from {tmp_path / 'out' / 'checkpoint-2'} with the same command "
+        "and --resume_from_checkpoint latest.")
+    assert signal.getsignal(signal.SIGTERM) == previous  # the command's handler is gone once it returns
+
+
+def test_ctrl_c_during_start_up_is_one_line_with_130(paths, tmp_path, capsys, monkeypatch):
+    """Ctrl-C that cuts an import short leaves modules half-initialised; the resume hint must not trip over them."""
+    import hf_lisa.train.output_dir as output_dir
+
+    run_module = sys.modules["hf_lisa.train.run"]  # hf_lisa.train.run is also the name of the function
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def partially_initialized(*args, **kwargs):
+        raise ImportError("cannot import name 'x' from partially initialized module 'transformers.trainer'")
+
+    monkeypatch.setattr(run_module, "_check_and_prepare", interrupted)
+    monkeypatch.setattr(output_dir, "latest_checkpoint", partially_initialized)
+    argv = [_fill(token, paths, tmp_path) for token in BASE]
+    assert cli.main(["train", *argv]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == ("hf-lisa train: interrupted. It stopped during start-up, before training; a new run starts "
+                           "from the beginning.")
+
+
+@pytest.mark.parametrize("raised", [ValueError("a shape mismatch deep in a kernel"),
+                                    FileNotFoundError(2, "No such file or directory", "/tmp/x/checkpoint-1")])
+def test_a_failure_while_training_exits_1_whatever_its_type(raised, paths, tmp_path, capsys, monkeypatch):
+    """Exit 2 means the user's input; a crash while training (a ValueError from a library, a file another process
+    removed) is a failure while running, exit 1."""
+    from hf_lisa.train.trainer import LisaTrainer
+
+    def crash(self, *args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(LisaTrainer, "training_step", crash)
+    argv = [_fill(token, paths, tmp_path) for token in BASE]
+    assert cli.main(["train", *argv]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("hf-lisa train: error: ")
+
+
+def test_a_full_disk_names_where_it_was_writing(paths, tmp_path, capsys, monkeypatch):
+    run_module = sys.modules["hf_lisa.train.run"]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_module, "save_final_model", disk_full)
+    argv = [_fill(token, paths, tmp_path) for token in BASE]
+    assert cli.main(["train", *argv]) == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message == (f"hf-lisa train: error: no space left on the device while writing {tmp_path / 'out'}: free "
+                       "some space (or choose another --output_dir) and run again.")
 
 
 def test_debug_shows_the_traceback_with_the_same_exit_status(paths, tmp_path, capsys, forbid_weight_loading):
@@ -490,8 +662,13 @@ def _script(name: str) -> list[str]:
         ([*_script("hf-lisa"), "train", "--model_name_or_path", "hf-lisa-tests/no-such-model"], {},
          {"HF_HUB_OFFLINE": "1"}, 1, r"^hf-lisa train: error: --model_name_or_path='hf-lisa-tests/no-such-model' is "
          r"not in the local Hub cache and offline mode \(HF_HUB_OFFLINE=1"),
+        # accelerate's launcher exits 1 for any failure of its worker (its policy, not ours); -q drops its traceback,
+        # and the worker's one line is the last thing printed (docs/training.md says so)
+        ([os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "-q", "--num_processes", "1",
+          "--cpu", "-m", "hf_lisa.train", "{tmp}/run.yaml"], {"run.yaml": "method: lisa\nr: [4\n"}, {}, 1,
+         r"^hf-lisa train: error: config file '.*run.yaml' is not valid YAML: line 3, column 1"),
     ],
-    ids=["python-m-yaml-syntax-error", "hf-lisa-hub-id-offline"],
+    ids=["python-m-yaml-syntax-error", "hf-lisa-hub-id-offline", "accelerate-launch-quiet"],
 )
 def test_a_process_exits_with_one_message(paths, tmp_path, command, files, env, status, message):
     for name, content in files.items():

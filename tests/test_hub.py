@@ -371,6 +371,7 @@ def test_adapter_push_uploads_only_safetensors_config_card_plot_and_tokenizer(hu
     assert hub.commits("alice/lisa-adapter")[0] == pushed["adapter"].oid
 
 
+@pytest.mark.slow  # hf-lisa push in a fresh python process (the cli_push fixture)
 def test_no_pickle_file_or_token_ever_reaches_the_server(hub, pushed, cli_push):
     named = [p for r in hub.state.requests if "pickled-adapter" not in r.path for p in r.paths]
     assert named, "the server saw no file names at all"
@@ -383,6 +384,7 @@ def test_no_pickle_file_or_token_ever_reaches_the_server(hub, pushed, cli_push):
     assert not [sha for sha, data in hub.state.objects.items() if WRITE_TOKEN.encode() in data]
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_adapter_card_places_the_adapter_under_its_base_model(hub, pushed, consumer):
     from huggingface_hub import ModelCard
 
@@ -415,6 +417,7 @@ def test_adapter_card_places_the_adapter_under_its_base_model(hub, pushed, consu
     assert any(r.status == 200 for r in hub.requests_of("validate"))
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_adapter_loads_in_a_fresh_process_with_peft_and_hf_lisa(trained, consumer):
     assert not close(trained["logits"], trained["base_logits"], atol=1e-3)  # the adapter matters
     assert close(ok(consumer["peft_adapter"]), trained["logits"], atol=1e-6)
@@ -423,6 +426,7 @@ def test_adapter_loads_in_a_fresh_process_with_peft_and_hf_lisa(trained, consume
     assert close(ok(consumer["local_adapter"]), trained["logits"], atol=1e-6)
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_from_pretrained_honours_revision(trained, pushed, consumer, hub):
     assert hub.repo("alice/lisa-adapter").branches.keys() == {"main", "experiment"}
     branch = ok(consumer["lisa_adapter_branch"])
@@ -430,6 +434,7 @@ def test_from_pretrained_honours_revision(trained, pushed, consumer, hub):
     assert not close(branch, trained["logits"], atol=1e-3)
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_missing_import_gives_a_clear_instruction(consumer):
     without = ok(consumer["without_import"])
     assert consumer["without_import"]["hf_lisa_imported"] is False
@@ -443,6 +448,7 @@ def test_missing_import_gives_a_clear_instruction(consumer):
         assert str(explain_missing_import(exc)) == MISSING_IMPORT_HINT
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_interpolation_adapter_round_trips_and_refuses_merge(hub, pushed, consumer):
     from safetensors.torch import load
 
@@ -458,6 +464,7 @@ def test_interpolation_adapter_round_trips_and_refuses_merge(hub, pushed, consum
 # ----------------------------------------------------------------------------------------------------------------------
 # merged mode and full-parameter output
 # ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # hf-lisa push in a fresh python process (the cli_push fixture)
 def test_cli_pushes_merged_sharded_safetensors_without_leaking_the_token(hub, cli_push):
     assert cli_push.returncode == 0, cli_push.stderr[-3000:]
     files = hub.files("alice/lisa-merged")
@@ -477,6 +484,7 @@ def test_cli_pushes_merged_sharded_safetensors_without_leaking_the_token(hub, cl
     assert "training_args.bin" not in logs and "optimizer.pt" not in logs
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_merged_model_reproduces_the_unmerged_adapter(trained, consumer, base_dir):
     from transformers import AutoTokenizer
 
@@ -485,6 +493,7 @@ def test_merged_model_reproduces_the_unmerged_adapter(trained, consumer, base_di
     assert ok(consumer["merged_tokens"]) == AutoTokenizer.from_pretrained(base_dir)("w1 w2 w77")["input_ids"]
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_merged_card_metadata(consumer):
     data = ok(consumer["card_merged"])
     assert data["library_name"] == "transformers"
@@ -492,6 +501,7 @@ def test_merged_card_metadata(consumer):
     assert "lisa" in data["tags"] and data["model-index"][0]["results"][0]["metrics"]
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_full_parameter_model_is_pushed_as_merged(hub, pushed, consumer):
     files = hub.files("alice/full-lisa")
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= set(files)
@@ -505,6 +515,7 @@ def test_full_parameter_model_is_pushed_as_merged(hub, pushed, consumer):
 # ----------------------------------------------------------------------------------------------------------------------
 # safety: pickle, privacy
 # ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_loading_refuses_pickle_unless_allowed(trained, consumer):
     refused = consumer["pickle_refused"]
     assert refused.get("error") == "ValueError" and "allow_pickle=True" in refused["message"]
@@ -522,6 +533,7 @@ def test_pickle_only_adapter_directory_is_never_uploaded(hub, work, trained):
     assert not hub.has_repo("alice/pickle-only")
 
 
+@pytest.mark.slow  # reads what a fresh python process loaded from the hub (the consumer fixture)
 def test_private_repo_stays_private(hub, trained, consumer):
     assert hub.repo("alice/lisa-private").private is True
     assert consumer["private_anonymous"]["status"] == 401
@@ -687,5 +699,9 @@ def test_card_without_hub_base_omits_base_model_and_passes_validation(hub, caplo
 
 def test_cli_reports_usage_and_missing_directory(work, capsys):
     assert hub_cli(["push"]) == 2
-    assert hub_cli(["push", str(work / "does-not-exist"), "alice/x"]) == 1
+    assert hub_cli(["push", str(work / "does-not-exist"), "alice/x"]) == 2  # what was asked cannot be pushed
     assert "does not exist" in capsys.readouterr().err
+    (work / "empty").mkdir(exist_ok=True)
+    assert hub_cli(["push", str(work / "empty"), "alice/x"]) == 2
+    assert "holds neither adapter_config.json" in capsys.readouterr().err
+    assert hub_cli(["push", str(work / "empty"), "not a repo id"]) == 2

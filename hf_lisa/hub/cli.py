@@ -46,7 +46,8 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def push_command(args: argparse.Namespace) -> int:
     """Run ``hf-lisa push`` with parsed arguments; returns the exit code: 0 on success (the commit URL is printed),
-    1 when the push failed (the reason is printed, never the token)."""
+    2 when what was asked cannot be pushed (a folder without a model, a bad repo id or option), 1 when the push
+    failed on the way (the Hub, the connection); the reason is printed, never the token."""
     from .push import _Redactor, push_to_hub
     from .staging import HubPushError
 
@@ -59,9 +60,12 @@ def push_command(args: argparse.Namespace) -> int:
             commit_message=args.commit_message, token=args.token, base_model=args.base_model,
             max_shard_size=args.max_shard_size, max_retries=args.max_retries,
         )
-    except (HubPushError, ValueError, FileNotFoundError, TypeError) as exc:
+    except HubPushError as exc:  # the Hub or the connection failed: a failure while running
         print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
         return 1
+    except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as exc:  # what was asked cannot be pushed
+        print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
+        return 2
     print(str(info))
     return 0
 

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..errors import WHILE_RUNNING
 from ..methods import get_method
 from .arguments import DataArguments, LisaArguments, ModelArguments, parse_args
 from .evaluation import (
@@ -88,10 +89,14 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     raw, bundled = _load_data(model_args, data_args, training_args)
     job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started)
     job.build()
-    job.evaluate_and_print("_before", "before training: ")
-    job.train()
-    job.evaluate_and_print("", "after training:  ")
-    return job.save_and_push(push_repo)
+    try:
+        job.evaluate_and_print("_before", "before training: ")
+        job.train()
+        job.evaluate_and_print("", "after training:  ")
+        return job.save_and_push(push_repo)
+    except Exception as err:  # a failure while running: exit status 1 whatever its type (unless a UsageError)
+        setattr(err, WHILE_RUNNING, training_args.output_dir)
+        raise
 
 
 def _check_and_prepare(model_args, lisa_args, training_args) -> None:
