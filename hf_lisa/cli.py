@@ -125,7 +125,18 @@ def config_reference(fmt: str = "markdown") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _refuse_unknown_flags(rest: Sequence[str]) -> None:
+    """A mistyped flag is refused before torch, transformers and PEFT are imported (:mod:`hf_lisa.option_names`)."""
+    from .option_names import suggestion, unknown_options
+
+    unknown = unknown_options(rest)
+    if unknown:
+        raise UsageError(f"unrecognised argument(s): {', '.join(suggestion(flag) for flag in unknown)}. Run "
+                         "`hf-lisa config-reference` for the full list.")
+
+
 def _train(args: argparse.Namespace) -> int:
+    _refuse_unknown_flags(args.rest)
     from .train import main as train_main
 
     train_main(args.rest)
@@ -133,6 +144,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _refuse_unknown_flags(args.rest)
     from .demo import main as demo_main
 
     return demo_main(args.rest)
