@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import signal
 import sys
+import warnings
 import traceback
 from typing import Optional, Sequence
 
@@ -123,6 +125,34 @@ def config_reference(fmt: str = "markdown") -> str:
     )
     lines.append(f"### `TrainingArguments`\n\n{note}" if fmt == "markdown" else f"TrainingArguments: {note}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
+
+
+#: warnings the libraries raise about their own internals (not about anything the user asked for), kept off the console
+INTERNAL_WARNINGS = (r"`is_gradient_checkpointing` is deprecated",)
+
+
+def quiet_third_parties() -> None:
+    """Keep the command's console to what the run says, before the libraries are imported: HTTP request logs at
+    WARNING; bitsandbytes' notice that the optional ``kernels`` package is missing (printed at its import on every
+    command, whether or not a quantized model is used; it concerns a faster 4-bit CPU path only) and DeepSpeed's
+    "Setting accelerator to CPU" (at its import, on every CPU command) dropped; the
+    libraries' deprecation notices about their own internals (:data:`INTERNAL_WARNINGS`) off. Warnings about what
+    the user passed (a deprecated option) stay."""
+    for name in ("httpx", "httpcore", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessage("kernels-community"))
+    logging.getLogger("DeepSpeed").addFilter(_DropMessage("Setting accelerator to CPU"))  # deepspeed's import, on CPU
+    for message in INTERNAL_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def _refuse_unknown_flags(rest: Sequence[str]) -> None:
@@ -284,6 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = debug or args.debug
     prog = f"{parser.prog} {args.command}"
     previous = _raise_on_sigterm()
+    quiet_third_parties()
     try:
         return args.func(args)
     except SystemExit as exc:  # hf-lisa train's argparse: --help, or an invalid value, its message already printed

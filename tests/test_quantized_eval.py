@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import warnings
 
 import pytest
@@ -67,15 +68,18 @@ QUANT_OPTIONS = {"4bit": ["--load_in_4bit"], "8bit": ["--load_in_8bit"]}
 
 
 def _logged(stdout: str) -> list[dict]:
-    """The Trainer's printed log dicts (``{'loss': '4.8', 'grad_norm': '0.3', ...}``), the metrics used as floats."""
+    """The console's log lines (``[hf-lisa] step 3/6: loss 4.8123, grad_norm 0.3012, ...``, ``[hf-lisa] eval at step
+    3: eval_loss 4.9, ...``), the metrics used as floats."""
     keys = ("loss", "grad_norm", "eval_loss")
     logs = []
     for line in stdout.splitlines():
-        if line.startswith("{'"):
-            logs.append({k: float(v) for k, v in ast.literal_eval(line).items() if k in keys})
+        if re.match(r"\[hf-lisa\] (step \d+|eval at step \d+)", line):
+            pairs = re.findall(r"(\w+) (-?[\d.]+(?:e[-+]?\d+)?|nan|inf)", line.split(":", 1)[1])
+            logs.append({k: float(v) for k, v in pairs if k in keys})
     return logs
 
 
+@pytest.mark.slow  # full hf-lisa train runs with evaluations, one per method and quantization
 @pytest.mark.parametrize("quant", list(QUANT_OPTIONS))
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_hf_lisa_train_trains_every_adapter_method_on_a_quantized_base_with_evaluations_on(
@@ -91,9 +95,11 @@ def test_hf_lisa_train_trains_every_adapter_method_on_a_quantized_base_with_eval
         *VARIANTS[variant], *QUANT_OPTIONS[quant],
     ]
     assert cli.main(argv) == 0
-    logs = _logged(capsys.readouterr().out)
+    stdout = capsys.readouterr().out
+    logs = _logged(stdout)
     steps = [e for e in logs if "loss" in e and "grad_norm" in e]
-    assert len(steps) == 6 and sum(1 for e in logs if "eval_loss" in e) >= 3  # before, at 3, at 6 (and after)
+    assert len(steps) == 6 and sum(1 for e in logs if "eval_loss" in e) == 2  # at 3 and at 6
+    assert "[hf-lisa] before training: " in stdout and "[hf-lisa] after training: " in stdout
     # a gradient at every step, the steps after the evaluation at step 3 included
     assert all(e["grad_norm"] > 1e-4 for e in steps), [e["grad_norm"] for e in steps]
     losses = [e["loss"] for e in steps]

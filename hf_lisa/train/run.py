@@ -13,6 +13,7 @@ import torch
 from ..errors import WHILE_RUNNING
 from ..methods import get_method
 from .arguments import DataArguments, LisaArguments, ModelArguments, parse_args
+from .console import use_compact_console
 from .evaluation import (
     _metrics_line,
     compute_metrics,
@@ -26,15 +27,19 @@ from .outputs import (
     LOSS_PLOT_NAME,
     SUMMARY_PREFIX,
     TRAINING_SUMMARY_NAME,
+    _manifest_callback,
     _summary_callback,
     build_training_summary,
+    held_out_rows,
     plot_losses,
     save_final_model,
     staged_final_model,
+    start_notes,
     write_model_card,
 )
-from .output_dir import check_output_dir, checkpoint_step, clear_previous_run
+from .output_dir import check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
 from .preflight import check_before_loading
+from .run_lock import OutputDirLock
 from .quantization import prepare_quantized_model
 from .trainer import LisaTrainer
 
@@ -82,24 +87,26 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     # the Trainer's own push would upload a pickled training_args.bin and a card without base_model: push ourselves
     push_repo = training_args.hub_model_id if training_args.push_to_hub else None
     training_args.push_to_hub = False
-    _check_and_prepare(model_args, lisa_args, training_args)
-    finished = _finished_checkpoint(training_args)
-    if finished is not None:
-        return finished
-    raw, bundled = _load_data(model_args, data_args, training_args)
-    job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started)
-    job.build()
-    try:
-        job.evaluate_and_print("_before", "before training: ")
-        job.train()
-        job.evaluate_and_print("", "after training:  ")
-        return job.save_and_push(push_repo)
-    except Exception as err:  # a failure while running: exit status 1 whatever its type (unless a UsageError)
-        setattr(err, WHILE_RUNNING, training_args.output_dir)
-        raise
+    with OutputDirLock(training_args.output_dir) as lock:  # released when run() returns or raises
+        _check_and_prepare(model_args, lisa_args, training_args, data_args)
+        claim_output_dir(training_args, lock)  # a second run into output_dir is refused from here on
+        finished = _finished_checkpoint(training_args)
+        if finished is not None:
+            return finished
+        raw, bundled, held_out = _load_data(model_args, data_args, training_args)
+        job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started, held_out)
+        job.build()
+        try:
+            job.evaluate_and_print("_before", "before training: ")
+            job.train()
+            job.evaluate_and_print("", "after training:  ")
+            return job.save_and_push(push_repo)
+        except Exception as err:  # a failure while running: exit status 1 whatever its type (unless a UsageError)
+            setattr(err, WHILE_RUNNING, training_args.output_dir)
+            raise
 
 
-def _check_and_prepare(model_args, lisa_args, training_args) -> None:
+def _check_and_prepare(model_args, lisa_args, training_args, data_args=None) -> None:
     """Seed, allocator and every check that needs no weights: the output folder, the model's config on meta."""
     from transformers import set_seed
 
@@ -110,7 +117,7 @@ def _check_and_prepare(model_args, lisa_args, training_args) -> None:
         logger.info(allocator)
     set_seed(training_args.seed)
     check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
-    check_before_loading(model_args, lisa_args, training_args)  # the model's config on meta: seconds, no weights
+    check_before_loading(model_args, lisa_args, training_args, data_args)  # config, files, meta model: no weights
 
 
 def _finished_checkpoint(training_args) -> Optional[dict]:
@@ -131,7 +138,8 @@ def _finished_checkpoint(training_args) -> Optional[dict]:
 
 
 def _load_data(model_args, data_args, training_args):
-    """``(raw datasets, whether the bundled task is used)``: loaded, subsampled and checked before the model loads."""
+    """``(raw datasets, whether the bundled task is used, rows of train held out for evaluation)``: loaded,
+    subsampled and checked before the model loads."""
     from . import data as data_lib
     from .. import demo_task
 
@@ -151,6 +159,7 @@ def _load_data(model_args, data_args, training_args):
         validation_split_percentage=data_args.validation_split_percentage, seed=training_args.seed,
         cache_dir=model_args.cache_dir, line_numbers=True,
     )
+    held_out = held_out_rows(raw)  # before --max_eval_samples: what training never sees
     if data_args.max_train_samples:
         raw["train"] = raw["train"].select(range(min(data_args.max_train_samples, len(raw["train"]))))
     if data_args.max_eval_samples and "validation" in raw:
@@ -161,16 +170,17 @@ def _load_data(model_args, data_args, training_args):
         on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
             data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
     )
-    return raw, bundled
+    return raw, bundled, held_out
 
 
 class _Run:
     """The state of one job between its stages: the model, the trainer, the metrics measured before and after."""
 
-    def __init__(self, model_args, data_args, lisa_args, training_args, raw, bundled: bool, started: float) -> None:
+    def __init__(self, model_args, data_args, lisa_args, training_args, raw, bundled: bool, started: float,
+                 held_out: int = 0) -> None:
         self.model_args, self.data_args, self.lisa_args, self.training_args = model_args, data_args, lisa_args, \
             training_args
-        self.raw, self.bundled, self.started = raw, bundled, started
+        self.raw, self.bundled, self.started, self.held_out = raw, bundled, started, held_out
         self.metrics: dict[str, float] = {}
         self.start_info: dict = {}  # the trainable summary, filled at train begin
 
@@ -216,9 +226,11 @@ class _Run:
             num_block_groups=lisa_args.monitor_block_groups,
             layers_attribute=lisa_args.lisa_layers_attribute,
         )
+        notes = start_notes(training_args, self.held_out, self.data_args.validation_split_percentage)
         callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
                                                               lisa_args.lisa_layers_attribute, self.start_info,
-                                                              schedules=scheduling_callbacks)]
+                                                              schedules=scheduling_callbacks, notes=notes),
+                                            _manifest_callback()]  # checkpoints listed in output_dir's manifest
         self.eval_dataset = eval_dataset = tokenized.get("validation")
         trainer = LisaTrainer(
             model=model,
@@ -238,6 +250,7 @@ class _Run:
             optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
         )
         monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as it was built
+        use_compact_console(trainer)  # one line per log event on the console; --report_to gets every value
         _pin_tensorboard_logging_dir(trainer)
         # DDP: unused-parameter detection (LISA freezes after the wrap), active-set all-reduce, --ddp_comm_hook
         configure_trainer_for_lisa(trainer, comm_hook=lisa_args.ddp_comm_hook, powersgd_rank=lisa_args.powersgd_rank,
@@ -259,10 +272,11 @@ class _Run:
                 max_new_tokens=data_args.generation_max_new_tokens,
                 batch_size=self.training_args.per_device_eval_batch_size * 2,
                 answer_pattern=data_args.answer_pattern, lenient=data_args.answer_lenient,
+                progress=trainer.is_world_process_zero() and not self.training_args.disable_tqdm,
             )
             metrics["eval_exact_match" + suffix] = score
             if trainer.is_world_process_zero():
-                logger.info("exact match%s: %.3f; e.g. %r -> %r", suffix or " after", score,
+                logger.info("exact match %s training: %.3f; e.g. %r -> %r", "before" if suffix else "after", score,
                             samples[0]["prompt"], samples[0]["generation"])
         line = _metrics_line(metrics, suffix)
         if trainer.is_world_process_zero() and line:
@@ -284,7 +298,8 @@ class _Run:
         output_dir = training_args.output_dir
         saved_mode = "adapter" if get_method(lisa_args.method).is_adapter else "merged"
         # everything goes to a staging folder, moved into output_dir once complete: a crash leaves no half model
-        with staged_final_model(output_dir, training_args.should_save) as staging:
+        with staged_final_model(output_dir, training_args.should_save,
+                                getattr(training_args, "keep_checkpoints", True)) as staging:
             save_final_model(trainer, trainer.model, self.tokenizer, staging, lisa_args.method)
             summary = build_training_summary(
                 self.model_args, self.data_args, lisa_args, training_args, base_model_id=base_model_id,
