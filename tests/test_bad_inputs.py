@@ -178,6 +178,9 @@ CASES = [
     error("model-without-tokenizer", "--model_name_or_path", "{no_tokenizer}",
           message=r"--model_name_or_path='.*no_tokenizer': no tokenizer files \(tokenizer\.json, "
           r"tokenizer_config\.json, \.\.\.\) in the model folder; pass --tokenizer_name ID_OR_PATH"),
+    error("tokenizer_name-folder-without-tokenizer", "--tokenizer_name", "{tmp}/tok", files={"tok/README.md": "x"},
+          message=r"--tokenizer_name='.*tok': no tokenizer files \(tokenizer\.json, tokenizer_config\.json, \.\.\.\) "
+          r"in the folder"),
     error("max_seq_length-above-positions", "--max_seq_length", "4096",
           message=r"--max_seq_length=4096 is larger than the model's max_position_embeddings \(256\); allowed: at "
           r"most 256"),
@@ -446,6 +449,9 @@ def test_max_seq_length_is_checked_against_the_models_positions_by_model_type():
         check_max_seq_length(LlamaConfig(max_position_embeddings=2048, rope_scaling={"rope_type": "linear",
                                                                                       "factor": 4.0}), 4096, "llama")
     check_max_seq_length(PretrainedConfig(), 1_000_000, "no position limit")  # nothing to check against
+    # the option's default, not chosen for this model: lowered to the model's positions
+    assert check_max_seq_length(GPT2Config(n_positions=128), 512, "gpt2", default=512) == 128
+    assert check_max_seq_length(GPT2Config(n_positions=1024), 512, "gpt2", default=512) == 512
 
 
 def _safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
@@ -467,7 +473,7 @@ def _safetensors_bytes(header: dict, data: bytes = b"") -> bytes:
         (_safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(24)),
          r"\(94 bytes, its header describes 86\)"),
         (_safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, "x"]}}, bytes(16)),
-         r"its header is not valid"),
+         r"\(87 bytes, its header is not valid: tensor 'w' has no valid data_offsets\)"),
     ],
     ids=["shorter-than-8-bytes", "header-cut", "header-not-json", "data-cut", "trailing-bytes", "bad-offsets"],
 )

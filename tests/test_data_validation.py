@@ -117,6 +117,11 @@ CASES = [
     Case("json-array-missing-comma", b'[\n {"prompt": "a", "completion": "b"}\n {"prompt": "c"}\n]', ERROR,
          ("train.json', line 3, column 2", "expected ',' or ']'"), name="train.json"),
     Case("csv-header-only", _csv("prompt,completion\n"), ERROR, ("train.csv' has no rows",), name="train.csv"),
+    Case("row-nested-too-deeply", lambda: _jsonl([PC, PC]) + b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000
+         + b', "completion": "x"}\n', ERROR, ("train.jsonl', line 3 is nested too deeply", "not a valid row")),
+    Case("array-element-nested-too-deeply", lambda: b'[\n {"prompt": "a", "completion": "b"},\n {"prompt": '
+         + b"{\"a\": " * 10_000 + b"1" + b"}" * 10_000 + b"}\n]\n", ERROR,
+         ("train.json', line 3 is nested too deeply", "not a valid row"), name="train.json"),
     Case("no-recognised-columns", [{"question": "q", "answer": "a"}], ERROR,
          ("train.jsonl': Cannot tell the data format from the columns ['question', 'answer']",)),
     # -- bad rows under --on_bad_row error: file, line and what is wrong -----------------------------------------------

@@ -7,12 +7,20 @@ itself runs on it: the block discovery (``--lisa_layers_attribute``), ``apply_me
 resolution, the LISA adapter) and the layer schedule (``--lisa_always_trainable``, γ against the blocks that train).
 A typo in any of these fails in seconds with a :class:`~hf_lisa.errors.UsageError`, not after the model load,
 tokenisation and the evaluation before training.
+
+A local model folder's files are checked as well, without reading a weight: the safetensors files the load would read
+(:func:`check_weight_files`: each header against the file's size, every shard of an index present), the tokenizer files
+(:func:`check_tokenizer_files`), and ``--max_seq_length`` against the positions the config gives the model
+(:func:`check_max_seq_length`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import struct
 import warnings
 
 from ..errors import UsageError
@@ -119,6 +127,161 @@ def load_model_config(model_args: ModelArguments, path: str):
         raise UsageError(f"{option}={path!r}: {err}") from None
 
 
+#: the weight files ``from_pretrained`` looks for in a folder, in its order: the first one present is loaded
+SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_REDOWNLOAD = "re-download or re-save the model"
+
+
+def safetensors_problem(path: str) -> str | None:
+    """What is wrong with the safetensors file ``path`` (its size against what its header describes), or ``None``.
+
+    Reads the 8-byte little-endian header length and the JSON header only: the file must be exactly as long as the
+    header and the end of the last tensor's ``data_offsets`` (what ``safetensors`` itself requires).
+    """
+    size = os.path.getsize(path)
+    if size < 8:
+        return f"{size} bytes, too short for a safetensors header"
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        if 8 + length > size:
+            return f"{size} bytes, its header describes {8 + length}"
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"{size} bytes, its header is not valid JSON"
+    if not isinstance(header, dict):
+        return f"{size} bytes, its header is not valid: not a JSON object"
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+            return f"{size} bytes, its header is not valid: tensor {name!r} has no valid data_offsets"
+        end = max(end, offsets[1])
+    if 8 + length + end != size:
+        return f"{size} bytes, its header describes {8 + length + end}"
+    return None
+
+
+def _shards(folder: str, index_name: str, label: str) -> list[str]:
+    """The shard files of the index ``index_name`` in ``folder``, refusing an unreadable index or a missing shard."""
+    index = os.path.join(folder, index_name)
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        shards = list(dict.fromkeys(weight_map.values()))
+        if not all(isinstance(name, str) for name in shards):
+            raise TypeError
+    except (ValueError, RecursionError, AttributeError, TypeError):
+        raise UsageError(f"{label}: {index} is not a valid index (a JSON object with a \"weight_map\" of tensor names "
+                         f"to shard files): {_REDOWNLOAD}.") from None
+    missing = [name for name in shards if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        names = ", ".join(map(repr, missing))
+        which = f"the shard {names}, which is" if len(missing) == 1 else f"the shards {names}, which are"
+        raise UsageError(f"{label}: {index} names {which} not in the folder: {_REDOWNLOAD}.")
+    return shards
+
+
+def check_weight_files(folder: str, label: str) -> None:
+    """Check the weight files ``from_pretrained`` would read from ``folder``, reading no weight.
+
+    ``model.safetensors``, or else every shard of ``model.safetensors.index.json``: each header against its file's
+    size (:func:`safetensors_problem`); a ``pytorch_model.bin.index.json``: every shard present.
+
+    Raises:
+        UsageError: naming the file that is truncated or corrupt, or the missing shard, and what to do.
+    """
+    if os.path.isfile(os.path.join(folder, SAFETENSORS)):
+        files = [SAFETENSORS]
+    elif os.path.isfile(os.path.join(folder, SAFETENSORS_INDEX)):
+        files = _shards(folder, SAFETENSORS_INDEX, label)
+    else:
+        if not os.path.isfile(os.path.join(folder, BIN)) and os.path.isfile(os.path.join(folder, BIN_INDEX)):
+            _shards(folder, BIN_INDEX, label)
+        return  # pickled weights: no header to read; no weights at all: transformers names what it looked for
+    for name in files:
+        path = os.path.join(folder, name)
+        problem = safetensors_problem(path)
+        if problem:
+            raise UsageError(f"{label}: {path} is truncated or corrupt ({problem}): {_REDOWNLOAD}.")
+
+
+#: files a tokenizer loads from (``tokenizer.json``, sentencepiece, BPE vocabularies, tiktoken, Mistral's tekken)
+_TOKENIZER_NAMES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece", "special_tokens_map", "tekken")
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    return name.startswith(_TOKENIZER_NAMES) or name.endswith((".model", ".tiktoken"))
+
+
+def check_tokenizer_files(folder: str, label: str, config=None, option: str = "") -> None:
+    """Refuse a local folder without any tokenizer file (``tokenizer.json``, ``tokenizer_config.json``, ...).
+
+    ``label`` names the folder in the message; ``option`` is ``"--tokenizer_name"`` for a folder passed as the
+    tokenizer, empty for the model's folder (then ``config``'s ``auto_map`` may name remote tokenizer code instead).
+
+    Raises:
+        UsageError: what is missing and what to pass instead.
+    """
+    if any(_is_tokenizer_file(name) for name in os.listdir(folder)):
+        return
+    if "AutoTokenizer" in (getattr(config, "auto_map", None) or {}):
+        return  # the tokenizer is the model's own code (--trust_remote_code): it says what it needs
+    if option:
+        raise UsageError(f"{label}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in the folder; "
+                         f"pass to {option} a folder a tokenizer was saved to, or a Hub id.")
+    raise UsageError(f"{label}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in the model folder; "
+                     "pass --tokenizer_name ID_OR_PATH (the tokenizer's folder or Hub id).")
+
+
+#: the config attributes that give a model's number of positions (the name depends on the model type)
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+
+
+def model_positions(config) -> tuple[str, int] | None:
+    """``(attribute, value)``: the most positions the model's config gives it, e.g. ``("n_positions", 1024)`` for GPT-2;
+    ``None`` for a model without a stated limit (relative positions, ALiBi)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a multimodal config's language model
+    attribute_map = getattr(config, "attribute_map", {}) or {}
+    for name in POSITION_ATTRIBUTES:
+        name = attribute_map.get(name, name)  # GPT-2 maps max_position_embeddings to n_positions: name that one
+        value = getattr(config, name, None)
+        if type(value) is int and value > 0:
+            return name, value
+    return None
+
+
+def check_max_seq_length(config, max_seq_length: int | None, label: str, default: int | None = None) -> int | None:
+    """The ``--max_seq_length`` to use: refused when longer than the positions ``config`` gives the model
+    (:func:`model_positions`), unless it is ``default`` (the option's default, not chosen for this model): then
+    lowered to the model's positions, with a warning.
+
+    A model with rope scaling is refused the same way: its ``max_position_embeddings`` is the context it was trained
+    for.
+
+    Raises:
+        UsageError: naming the config's attribute, its value and what is allowed.
+    """
+    positions = model_positions(config)
+    if positions is None or max_seq_length is None:
+        return max_seq_length
+    name, limit = positions
+    if max_seq_length <= limit:
+        return max_seq_length
+    if default is not None and max_seq_length == default:
+        logger.warning("--max_seq_length is %d by default, more than %s allows (its %s is %d): using %d.",
+                       max_seq_length, label, name, limit, limit)
+        return limit
+    raise UsageError(f"{label}: --max_seq_length={max_seq_length} is larger than the model's {name} ({limit}); "
+                     f"allowed: at most {limit}.")
+
+
 def _meta_model(config, model_args: ModelArguments, label: str):
     """The model built from ``config`` on the meta device, or ``None`` where that is not possible."""
     import torch
@@ -182,20 +345,33 @@ def check_on_meta_model(model, lisa_args: LisaArguments, seed: int, label: str) 
         raise UsageError(f"{where}: {err}") from None
 
 
-def check_before_loading(model_args: ModelArguments, lisa_args: LisaArguments, training_args) -> None:
+def check_before_loading(model_args: ModelArguments, lisa_args: LisaArguments, training_args,
+                         data_args=None) -> None:
     """Check the model source and everything the method needs from the model, before any weight is loaded.
 
+    ``data_args`` (optional) gives ``--max_seq_length``, checked against the model's positions; left at its default
+    (512), it is lowered to the positions of a model with fewer.
+
     Raises:
-        UsageError: a missing model folder, an unknown Hub model, or an option the model cannot take (block path,
-            always-trainable names, γ larger than the blocks, target modules).
+        UsageError: a missing model folder, an unknown Hub model, a truncated or corrupt weight file, a missing shard,
+            a model folder without a tokenizer, or an option the model cannot take (``--max_seq_length`` longer than
+            its positions, block path, always-trainable names, γ larger than the blocks, target modules).
         ConnectionError, PermissionError: a Hub model that cannot be fetched now.
     """
-    if model_args.tokenizer_name:
-        check_model_source(model_args.tokenizer_name, "--tokenizer_name")
+    tokenizer_name = model_args.tokenizer_name
+    if tokenizer_name and check_model_source(tokenizer_name, "--tokenizer_name") == "local":
+        check_tokenizer_files(tokenizer_name, f"--tokenizer_name={tokenizer_name!r}", option="--tokenizer_name")
     path, _ = resolve_model_path(model_args)
     config = load_model_config(model_args, path)
     name = model_args.model_name_or_path
     label = f"--model_name_or_path={name!r}" if name else "the embedded model"
     model = _meta_model(config, model_args, label)
+    if os.path.isdir(path):  # a local folder: its files are here to check (a Hub model's are not downloaded yet)
+        check_weight_files(path, label)
+        if not tokenizer_name:
+            check_tokenizer_files(path, label, config)
+    if data_args is not None:  # the default adapts to a model with fewer positions; a value chosen is refused
+        default = next(f.default for f in dataclasses.fields(data_args) if f.name == "max_seq_length")
+        data_args.max_seq_length = check_max_seq_length(config, data_args.max_seq_length, label, default)
     if model is not None:
         check_on_meta_model(model, lisa_args, training_args.seed, f"--method {lisa_args.method} on {label}")

@@ -1,8 +1,9 @@
 """Training data checked before tokenisation: files read line by line, the data format, and every row.
 
 * **Files** (:func:`scan_file`): ``.jsonl``/``.json`` files are read here, line by line, before ``datasets`` reads them,
-  so that a byte that is not UTF-8, a line that is not JSON, a value that is not an object or a file of blank lines
-  is reported with its file, line and column; ``.csv``/``.txt`` files are checked for UTF-8 the same way.
+  so that a byte that is not UTF-8, a line that is not JSON, a value that is not an object, a row nested too deeply
+  to decode (a ``RecursionError``) or a file of blank lines is reported with its file, line and column; ``.csv``/
+  ``.txt`` files are checked for UTF-8 the same way.
 * **Where each row came from** (:func:`add_locations`): the column ``LINE_COLUMN`` holds each row's line (JSON Lines,
   text) or row number (csv, parquet, Hub datasets); its feature's ``id`` names the file and the unit, e.g.
   ``"train_file='data/train.jsonl', line"``, so that every later message can say ``train_file='data/train.jsonl', line
@@ -104,17 +105,27 @@ def _json_error(label: str, line: int, column: int, message: str) -> DataError:
     return DataError(f"{label}, line {line}, column {column}: invalid JSON ({message}). {JSON_LINES_HINT}.")
 
 
+def _too_deep_error(label: str, line: int) -> DataError:
+    """A row whose lists/objects nest deeper than the JSON reader can go (``RecursionError``): not a training row."""
+    return DataError(
+        f"{label}, line {line} is nested too deeply (lists or objects inside each other, deeper than a JSON reader "
+        f"can follow): it is not a valid row. {JSON_LINES_HINT}, whose fields are strings."
+    )
+
+
 def _json_array_lines(text: str, label: str, decoder: json.JSONDecoder) -> array:
     """The line of each object of a JSON array document."""
     lines, line, counted = array("q"), 1, 0
     pos = _JSON_WHITESPACE.match(text, text.index("[") + 1).end()
     ended = text.startswith("]", pos)
     while not ended:
+        line, counted = line + text.count("\n", counted, pos), pos
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise _json_error(label, err.lineno, err.colno, err.msg) from None
-        line, counted = line + text.count("\n", counted, pos), pos
+        except RecursionError:
+            raise _too_deep_error(label, line) from None
         _json_object(value, label, line)
         lines.append(line)
         pos = _JSON_WHITESPACE.match(text, end).end()
@@ -149,6 +160,8 @@ def _scan_json(path: str, label: str) -> array:
                 raise _json_error(label, number, column, err.msg) from None
             except ValueError as err:  # NaN / Infinity
                 raise DataError(f"{label}, line {number}: {err}. {JSON_LINES_HINT}.") from None
+            except RecursionError:
+                raise _too_deep_error(label, number) from None
             _json_object(value, label, number)
             lines.append(number)
     return lines
