@@ -165,3 +165,18 @@ def test_malformed_json_names_the_file(tmp_path):
     path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
     with pytest.raises(DataError, match="bad.jsonl"):
         load_raw_datasets(train_file=str(path))
+
+
+def test_the_skip_table_lists_the_first_lines_of_the_file_in_order():
+    """The split is shuffled: the table shows the smallest line numbers of each reason, sorted, and says when there
+    are more."""
+    from collections import Counter
+
+    from hf_lisa.train.validation import skip_table
+
+    table = skip_table(Counter({"empty prompt": 7, "longer than max_seq_length=64": 2}),
+                       {"empty prompt": [3, 4, 9, 12, 15], "longer than max_seq_length=64": [8, 20]}, "line")
+    assert table.splitlines()[1:] == [
+        "  empty prompt                        7  3, 4, 9, 12, 15, ...",
+        "  longer than max_seq_length=64       2  8, 20",
+    ]

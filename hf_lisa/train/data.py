@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 from collections import Counter
@@ -390,12 +391,14 @@ def tokenize_datasets(
             load_from_cache_file=load_from_cache_file,
             desc=f"Tokenizing {split} ({fmt})",
         )
-        reasons, lines = Counter(), {}
+        reasons, every_line = Counter(), {}
         for why, line in zip(mapped[SKIP_COLUMN], mapped[LINE_COLUMN]):
             if why:
                 reasons[why] += 1
-                if len(lines.setdefault(why, [])) < SKIP_EXAMPLES:
-                    lines[why].append(line)
+                if line is not None:
+                    every_line.setdefault(why, []).append(line)
+        # the first lines of the file, in order (the split is shuffled): where a user looks first
+        lines = {why: heapq.nsmallest(SKIP_EXAMPLES, found) for why, found in every_line.items()}
         kept = mapped.filter(lambda r: not r, input_columns=[SKIP_COLUMN], desc=f"Dropping skipped {split} rows")
         kept = kept.remove_columns([SKIP_COLUMN, LINE_COLUMN])
         report.kept[split] = len(kept)

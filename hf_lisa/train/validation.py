@@ -434,5 +434,8 @@ def skip_table(reasons: Counter, lines: dict[str, list[int]], unit: str) -> str:
     """The skipped rows of a split as a text table: reason, rows, first lines."""
     width = max(len("reason"), *map(len, reasons))
     rows = [f"  {'reason':<{width}}  {'rows':>6}  first {unit}s"]
-    rows += [f"  {why:<{width}}  {n:>6}  {', '.join(map(str, lines.get(why, [])))}" for why, n in reasons.most_common()]
+    for why, n in reasons.most_common():
+        shown = lines.get(why, [])
+        more = ", ..." if n > len(shown) else ""
+        rows.append(f"  {why:<{width}}  {n:>6}  {', '.join(map(str, shown))}{more}")
     return "\n".join(rows)
