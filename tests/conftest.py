@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,3 +72,42 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- test lanes ---------------------------------------------------------------------------------------------------------
+# Markers (pyproject.toml): slow, distributed, gguf. `make test` runs every test; `make test-fast` deselects the three.
+# A test file says its own markers (`pytestmark`, decorators); added here at collection: `distributed` on all of
+# tests/distributed, and LANE_MARKS.
+TESTS = Path(__file__).resolve().parent
+
+#: (test file, test function) -> marker, for files whose owners edit them (issue 24): move a mark into its file at will
+LANE_MARKS = {
+    ("test_package_layout.py", "test_each_subpackage_imports_on_its_own"): "slow",  # 7 fresh interpreters, ~70 s
+    ("test_package_layout.py", "test_built_wheel_installs_one_namespace"): "slow",  # pip wheel, pip install, python
+    ("test_readme_snippets.py", "test_readme_snippet_runs_and_does_what_it_says"): "slow",  # snippets in a child
+}
+_DESELECTED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects on the markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TESTS not in item.path.parents:
+            continue
+        relative = item.path.relative_to(TESTS)
+        if relative.parts[0] == "distributed":  # every test there starts 2 ranks, or checks their launch
+            item.add_marker(pytest.mark.distributed)
+        marker = LANE_MARKS.get((relative.name, getattr(item, "originalname", item.name)))
+        if marker is not None:
+            item.add_marker(marker)
+
+
+def pytest_deselected(items):
+    if items:
+        items[0].config.stash.setdefault(_DESELECTED, []).extend(items)
+
+
+@pytest.fixture(scope="session")
+def collected_items(request):
+    """Every test item this session collected, those deselected by ``-m``/``-k`` included (tests/test_markers.py)."""
+    return [*request.session.items, *request.config.stash.get(_DESELECTED, [])]

@@ -23,6 +23,8 @@ from benchmarks import compare  # noqa: E402
 from benchmarks.presets import DEFAULT_METHODS  # noqa: E402
 from benchmarks.report import render_markdown  # noqa: E402
 
+pytestmark = pytest.mark.slow  # benchmark smoke runs: every method trained, in this process and one process each
+
 LAYERS, HIDDEN, VOCAB = 4, 32, 128
 INTERMEDIATE, KV = 2 * HIDDEN, 2 * (HIDDEN // 4)  # 4 heads, 2 kv heads of head_dim 8
 STEPS, GAMMA, K, RANK = 4, 2, 1, 4

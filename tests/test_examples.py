@@ -14,6 +14,8 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+pytestmark = pytest.mark.slow  # the example scripts end to end: training runs, the classification one ~15 s
+
 
 def run_example(name: str, argv: list[str], monkeypatch, capsys) -> str:
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *argv])

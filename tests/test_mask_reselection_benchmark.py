@@ -7,10 +7,14 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import mask_reselection  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a benchmark smoke run: two training runs with evaluation
 
 
 def test_tiny_run_reselects_and_keep_learned_retains_more_energy(tmp_path, capsys):

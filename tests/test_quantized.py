@@ -250,6 +250,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a fresh python process
 def test_saved_adapters_reload_on_a_4bit_base_in_a_fresh_process_with_the_same_logits(trained, base_dir):
     adapters = [run["adapter"] for run in trained.values()]
     result = subprocess.run(
@@ -309,6 +310,7 @@ def test_quantization_options_that_cannot_take_effect_are_refused(tiny_cli, tmp_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # full hf-lisa train runs on a 4-bit base
 @pytest.mark.parametrize("method", ["lisa-adapter", "lora"])
 def test_hf_lisa_train_trains_an_adapter_on_a_4bit_base(tiny_cli, tmp_path, method):
     out = tmp_path / method

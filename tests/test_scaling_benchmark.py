@@ -121,6 +121,7 @@ def _grid(tmp_path, cells, settings, policy, in_process):
     return report
 
 
+@pytest.mark.slow  # a benchmark smoke run: a grid of training cells (~10 s)
 def test_tiny_grid_reports_ratios_floors_and_what_did_not_fit(tmp_path):
     from transformers import LlamaConfig
 
@@ -161,6 +162,7 @@ def test_tiny_grid_reports_ratios_floors_and_what_did_not_fit(tmp_path):
     assert (tmp_path / "grid.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # benchmark cells in their own processes
 def test_cells_run_in_their_own_process_and_a_timeout_is_recorded(tmp_path):
     settings = scaling.ScalingSettings(steps=2, lisa_activated_layers=1, lora_r=4)
     cells = scaling.grid_cells({"tiny": TINY}, [8], ["lisa"])

@@ -239,6 +239,7 @@ _SCHEDULE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two python processes
 def test_same_seed_gives_the_same_schedule_in_two_separate_processes(tmp_path):
     script = tmp_path / "schedule.py"
     script.write_text(_SCHEDULE_SCRIPT)

@@ -130,6 +130,7 @@ def _full_python_run(tiny, tmp_path, kind: str) -> tuple[set[str], dict]:
     return changed(before, model.state_dict()), callback.resolved_settings()
 
 
+@pytest.mark.slow  # a full hf-lisa train run and three Trainer/LisaTrainer/SFTTrainer runs
 def test_full_lisa_trains_the_same_parameters_everywhere(tiny, tmp_path, capsys):
     out = tmp_path / "cli"
     summary = main(cli_args(tiny, "opt", out, "lisa"))
@@ -145,6 +146,7 @@ def test_full_lisa_trains_the_same_parameters_everywhere(tiny, tmp_path, capsys)
             k: v for k, v in resolved.items() if k in summary["lisa"]}, kind
 
 
+@pytest.mark.slow  # a full hf-lisa train run and three Trainer/LisaTrainer/SFTTrainer runs
 def test_adapters_train_the_same_parameters_everywhere(tiny, tmp_path):
     from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM

@@ -52,6 +52,7 @@ def test_lever_variants_change_one_setting_each(base):
     assert sorted(v.preset(base).lisa_activated_layers for v in variants if v.lever == "γ") == [1, 4]
 
 
+@pytest.mark.slow  # a benchmark smoke run: sweeps of training runs
 def test_eh_frozen_and_gamma_take_effect(base, tmp_path):
     variants = [v for v in sweep.lever_variants(base) if v.lever in ("reference", "E+H") or v.label == "γ=1"]
     results = {r["label"]: r for r in sweep.run_variants(base, variants, in_process=True, log=lambda m: None)}
@@ -73,6 +74,7 @@ def test_eh_frozen_and_gamma_take_effect(base, tmp_path):
     assert (tmp_path / "levers.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a benchmark smoke run: sweeps of training runs
 def test_fair_comparison_picks_each_methods_lowest_eval_loss(base, tmp_path):
     variants = [v for v in sweep.fair_variants(base, ["lisa"])][:2]
     results = sweep.run_variants(base, variants, in_process=True, log=lambda m: None)

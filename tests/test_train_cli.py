@@ -57,6 +57,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
+@pytest.mark.slow  # full CLI training runs, save and reload, one per method
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_saves_and_reloads(tiny, tmp_path, method):
     out = tmp_path / method
@@ -235,6 +236,7 @@ def test_docs_list_every_lisa_config_field():
     assert {f.name for f in fields(LisaConfig)} >= {"sparsity", "new_block_bonus"}
 
 
+@pytest.mark.slow  # a full hf-lisa train run, then the push
 def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_path, monkeypatch):
     import huggingface_hub.constants as hf_constants
     from hub_server import HubServer
@@ -260,6 +262,7 @@ def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_pa
     assert len(server.commits("alice/tiny-lora")) >= 1
 
 
+@pytest.mark.slow  # accelerate launch: a launcher process and a training process
 def test_accelerate_launch_runs_the_module_with_a_yaml_config(tiny, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({

@@ -20,6 +20,8 @@ from hf_lisa.train import main
 
 pytest.importorskip("tensorboard")
 
+pytestmark = pytest.mark.slow  # full hf-lisa train runs, with evaluation and TensorBoard
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -50,7 +50,10 @@ GRADIENT_CHECKPOINTING = pytest.mark.parametrize("gradient_checkpointing", [True
 # ----------------------------------------------------------------------------------------------------------------------
 # tiny models, data and trainers
 # ----------------------------------------------------------------------------------------------------------------------
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
+    pytest.mark.slow,  # SFTTrainer and DPOTrainer training runs and the TRL examples, end to end (~20 s in all)
+]
 
 
 @pytest.fixture(scope="module")

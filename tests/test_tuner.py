@@ -101,6 +101,7 @@ def test_safe_merge_refuses_nan_and_leaves_weights_untouched():
 
 
 # -- save / load -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a fresh python process
 def test_reloaded_adapter_in_fresh_process_reproduces_outputs(tmp_path):
     base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
     tiny_llama().save_pretrained(base_dir)
@@ -164,6 +165,7 @@ def test_peft_config_and_seq_cls_auto_class_load(tmp_path):
         torch.testing.assert_close(loaded(input_ids=IDS).logits, expected)
 
 
+@pytest.mark.slow  # a fresh python process
 def test_loading_without_import_fails_with_peft_key_error(tmp_path):
     """Documents why hf_lisa.from_pretrained exists: PEFT alone cannot resolve the LISA type."""
     get_peft_model(tiny_llama(), LisaConfig(r=2)).save_pretrained(tmp_path)
