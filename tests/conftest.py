@@ -77,15 +77,9 @@ def one_thread():
 # -- test lanes ---------------------------------------------------------------------------------------------------------
 # Markers (pyproject.toml): slow, distributed, gguf. `make test` runs every test; `make test-fast` deselects the three.
 # A test file says its own markers (`pytestmark`, decorators); added here at collection: `distributed` on all of
-# tests/distributed, and LANE_MARKS.
+# tests/distributed.
 TESTS = Path(__file__).resolve().parent
 
-#: (test file, test function) -> marker, for files whose owners edit them (issue 24): move a mark into its file at will
-LANE_MARKS = {
-    ("test_package_layout.py", "test_each_subpackage_imports_on_its_own"): "slow",  # 7 fresh interpreters, ~70 s
-    ("test_package_layout.py", "test_built_wheel_installs_one_namespace"): "slow",  # pip wheel, pip install, python
-    ("test_readme_snippets.py", "test_readme_snippet_runs_and_does_what_it_says"): "slow",  # snippets in a child
-}
 _DESELECTED = pytest.StashKey[list]()
 
 
@@ -97,9 +91,6 @@ def pytest_collection_modifyitems(config, items):
         relative = item.path.relative_to(TESTS)
         if relative.parts[0] == "distributed":  # every test there starts 2 ranks, or checks their launch
             item.add_marker(pytest.mark.distributed)
-        marker = LANE_MARKS.get((relative.name, getattr(item, "originalname", item.name)))
-        if marker is not None:
-            item.add_marker(marker)
 
 
 def pytest_deselected(items):

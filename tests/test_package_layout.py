@@ -211,6 +211,7 @@ def fresh_interpreters():
     return results
 
 
+@pytest.mark.slow  # fresh interpreters, each a cold import of torch, transformers and peft (~70 s together)
 @pytest.mark.parametrize("module", SUBPACKAGES)
 def test_each_subpackage_imports_on_its_own(module, fresh_interpreters):
     returncode, stderr = fresh_interpreters[module]
@@ -259,6 +260,7 @@ def test_no_warning_on_the_canonical_paths():
         assert model_cards.template_path().endswith(".md.j2")
 
 
+@pytest.mark.slow  # pip wheel, pip install, a fresh interpreter
 def test_built_wheel_installs_one_namespace(tmp_path):
     """What users get from the wheel (not the editable checkout): the mapped folders land inside ``hf_lisa``."""
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"

@@ -347,6 +347,7 @@ def test_every_readme_snippet_is_listed():
     assert used == list(SHORTER), "a SHORTER substitution no longer matches the README or its docs pages"
 
 
+@pytest.mark.slow  # the snippets run in a child process against a local Hub server
 @pytest.mark.parametrize("key", list(SNIPPETS))
 def test_readme_snippet_runs_and_does_what_it_says(readme_run, key):
     if SNIPPETS[key].needs:
