@@ -35,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
 from hf_lisa.scheduler.state import LISA_STATE_FILE
 from hf_lisa.train import main
-from hf_lisa.train.output_dir import latest_checkpoint
+from hf_lisa.train.output_dir import MANIFEST_NAME, latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("output_safety_driver.py")
@@ -300,6 +300,11 @@ def _assert_checkpoints_complete(output_dir) -> list[str]:
     return names
 
 
+def _hidden(folder) -> list[str]:
+    """The hidden names in ``folder`` besides the manifest: staging folders or a lock file a run left behind."""
+    return [n for n in os.listdir(folder) if n.startswith(".") and n != MANIFEST_NAME]
+
+
 def _global_step(checkpoint) -> int:
     return json.loads(Path(checkpoint, "trainer_state.json").read_text())["global_step"]
 
@@ -340,7 +345,7 @@ def _check_resumed_to_6(c: Ctx, summary: dict) -> None:
 
 
 def _check_adapter(c: Ctx, summary: dict) -> None:
-    assert _model_in(c.out) == "adapter" and summary["hyperparameters"]["max_steps"] == 4
+    assert _model_in(c.out) == "adapter" and summary["hyperparameters"]["max_steps"] == 6
 
 
 def _with_leftovers(c: Ctx):
@@ -351,7 +356,7 @@ def _with_leftovers(c: Ctx):
 
 
 def _check_leftovers_gone(c: Ctx, summary: dict) -> None:
-    assert not [n for n in os.listdir(c.out) if n.startswith(".")]
+    assert not _hidden(c.out)
     assert _model_in(c.out) == "model" and _assert_checkpoints_complete(c.out) == ["checkpoint-2", "checkpoint-4"]
 
 
@@ -380,7 +385,8 @@ HANDLED = [
     Handled("resume-true-continues-own-checkpoints",
             lambda c: (c.copy_run("lisa"), ["--resume_from_checkpoint", "true", "--max_steps", "6"]),
             _check_resumed_to_6),
-    Handled("resume-lora-run", lambda c: (c.copy_run("lora"), ["--resume_from_checkpoint", "latest"]),
+    Handled("resume-lora-run",  # from checkpoint-4 on: at --max_steps 4 there is nothing left to train (item 5)
+            lambda c: (c.copy_run("lora"), ["--resume_from_checkpoint", "latest", "--max_steps", "6"]),
             _check_adapter, "lora"),
     Handled("leftovers-of-a-killed-run-count-as-empty", _with_leftovers, _check_leftovers_gone),
     Handled("hub-token-is-written-nowhere",
@@ -424,7 +430,7 @@ def test_disk_full_during_a_checkpoint_leaves_the_previous_checkpoints(tiny, tmp
     _disk_full_at(monkeypatch, ".partial-checkpoint-4")
     with pytest.raises(OSError, match="No space left"):
         main(_argv(tiny, tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-2"]
+    assert sorted(os.listdir(tmp_path / "out")) == [MANIFEST_NAME, "checkpoint-2"]
     assert _assert_checkpoints_complete(tmp_path / "out") == ["checkpoint-2"]
 
 
@@ -439,7 +445,7 @@ def test_disk_full_during_the_final_save_leaves_the_previous_model(tiny, runs, t
     assert _model_in(ctx.out) == "adapter" and "model.safetensors" not in os.listdir(ctx.out)
     after = load_file(str(ctx.out / "adapter_model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert not [n for n in os.listdir(ctx.out) if n.startswith(".")]
+    assert not _hidden(ctx.out)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -483,7 +489,7 @@ def test_sigkill_during_a_checkpoint_save_then_resume_latest(tiny, tmp_path, poi
     summary = main(_argv(tiny, out, "lisa", "--max_steps", "6", "--resume_from_checkpoint", "latest"))
     assert summary["hyperparameters"]["max_steps"] == 6
     assert _assert_checkpoints_complete(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert not [n for n in os.listdir(out) if n.startswith(".")] and _model_in(out) == "model"
+    assert not _hidden(out) and _model_in(out) == "model"
 
 
 @pytest.mark.slow  # a training process, killed during the save
@@ -520,3 +526,166 @@ def test_resume_from_the_checkpoint_at_max_steps_trains_nothing_and_says_so(meth
     after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in Path(out).iterdir() if p.is_file()}
     assert after == before  # no file rewritten, the model included
     assert sorted(p.name for p in Path(out).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Issue 23: one run per folder, overwrite removes only what hf-lisa wrote, checkpoints and held-out rows said
+# ----------------------------------------------------------------------------------------------------------------------
+from hf_lisa import cli  # noqa: E402
+from hf_lisa.train.run_lock import LOCK_NAME  # noqa: E402
+
+#: files of a project folder that no hf-lisa run wrote (issue 23: --overwrite_output_dir deleted them)
+PROJECT_FILES = {"README.md": "# my project\n", "tsconfig.json": '{"compilerOptions": {}}\n',
+                 "app_config.json": '{"port": 8080}\n', "merges.txt": "#version: 0.2\na b\n"}
+
+
+def _snapshot(folder) -> dict:
+    """Every file under ``folder`` with its bytes: what must not change."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+def _fail_final_save(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _run_failing_at_the_final_save(argv: list[str]) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys.modules["hf_lisa.train.run"], "save_final_model", _fail_final_save)
+        with pytest.raises(OSError, match="No space left"):
+            main(argv)
+
+
+@pytest.fixture(scope="module")
+def failed_run(tiny):
+    """A run that saved checkpoint-2 and checkpoint-4, then failed writing the final model (a full disk); read-only
+    for the tests."""
+    out = tiny["root"] / "failed"
+    _run_failing_at_the_final_save(_argv(tiny, out))
+    return out
+
+
+@pytest.mark.slow  # a second python process holds the lock; two hf-lisa train runs
+def test_a_second_run_into_a_locked_output_dir_exits_2_naming_it_and_a_killed_holder_leaves_no_lock(
+        tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom hf_lisa.train.run_lock import OutputDirLock\n"
+         "lock = OutputDirLock(sys.argv[1]); lock.acquire(); print('LOCKED', flush=True); time.sleep(600)", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "LOCKED"
+        assert cli.main(["train", *_argv(tiny, out)]) == 2
+        message = capsys.readouterr().err
+        assert f"--output_dir={out} is in use by another hf-lisa train run (pid {holder.pid} on host " in message
+        assert "started 20" in message and "choose another --output_dir" in message
+        assert os.listdir(out) == [LOCK_NAME]  # refused before anything was written
+    finally:
+        holder.kill()  # SIGKILL: no chance to clean up; the kernel drops its flock
+        holder.wait()
+        holder.stdout.close()
+    assert os.listdir(out) == [LOCK_NAME]  # the stale lock file stays behind ...
+    main(_argv(tiny, out))  # ... and neither blocks a run nor makes the folder "not empty"
+    assert LOCK_NAME not in os.listdir(out) and _model_in(out) == "model"
+    assert _assert_checkpoints_complete(out) == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_overwrite_refuses_files_no_run_wrote_and_deletes_nothing(tiny, failed_run, tmp_path):
+    out = shutil.copytree(failed_run, tmp_path / "out")  # a run's checkpoints and manifest, in a project folder
+    for name, text in PROJECT_FILES.items():
+        (out / name).write_text(text)
+    before = _snapshot(out)
+    with pytest.raises(ValueError) as raised:
+        main(_argv(tiny, out, "lisa", "--overwrite_output_dir", "true"))
+    message = str(raised.value)
+    assert "holds files that no hf-lisa train run wrote: README.md, app_config.json, merges.txt, tsconfig.json." \
+        in message, message
+    assert "nothing was deleted" in message and "--delete_foreign_files true" in message
+    assert "checkpoint-" not in message
+    assert _snapshot(out) == before
+
+
+def test_overwrite_of_a_finished_run_refuses_the_project_files_beside_it(tiny, runs, tmp_path):
+    out = shutil.copytree(runs["lora"], tmp_path / "out")  # its own README.md (the card) is the run's
+    for name in ("tsconfig.json", "app_config.json", "merges.txt"):
+        (out / name).write_text(PROJECT_FILES[name])
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"wrote: app_config\.json, merges\.txt, tsconfig\.json\. "):
+        main(_argv(tiny, out, "lisa", "--overwrite_output_dir", "true"))
+    assert _snapshot(out) == before
+
+
+@pytest.mark.slow  # a full hf-lisa train run
+def test_delete_foreign_files_overwrites_a_project_folder(tiny, failed_run, tmp_path):
+    out = shutil.copytree(failed_run, tmp_path / "out")
+    for name, text in PROJECT_FILES.items():
+        (out / name).write_text(text)
+    (out / "notes").mkdir()
+    (out / "notes" / "todo.txt").write_text("x")
+    main(_argv(tiny, out, "lisa", "--delete_foreign_files", "true"))
+    files = set(os.listdir(out))
+    assert not {"tsconfig.json", "app_config.json", "merges.txt", "notes"} & files
+    assert _model_in(out) == "model" and (out / "README.md").read_text() != PROJECT_FILES["README.md"]  # the card
+    assert _assert_checkpoints_complete(out) == ["checkpoint-2", "checkpoint-4"] and not _hidden(out)
+    assert json.loads((out / MANIFEST_NAME).read_text())["written"] == sorted(visible for visible in files
+                                                                              if visible != MANIFEST_NAME)
+
+
+def test_overwrite_never_deletes_weights_no_run_wrote_even_with_delete_foreign_files(tiny, runs, tmp_path):
+    out = shutil.copytree(runs["lora"], tmp_path / "out")
+    torch.save({"w": torch.zeros(2)}, out / "pytorch_model.bin")  # beside a training_summary.json, but not listed
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"holds model weights that no hf-lisa train run wrote \(pytorch_model\.bin"):
+        main(_argv(tiny, out, "lisa", "--delete_foreign_files", "true"))
+    assert _snapshot(out) == before
+
+
+@pytest.mark.slow  # a full hf-lisa train run
+def test_a_folder_from_before_the_manifest_is_judged_by_the_names_a_run_writes(tiny, runs, tmp_path):
+    out = shutil.copytree(runs["lisa-adapter"], tmp_path / "out")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)  # as an earlier hf-lisa version left it
+    (out / "tsconfig.json").write_text(PROJECT_FILES["tsconfig.json"])
+    with pytest.raises(ValueError, match=r"wrote: tsconfig\.json\. "):  # README.md beside training_summary.json: ours
+        main(_argv(tiny, out, "lisa", "--overwrite_output_dir", "true"))
+    os.remove(out / "tsconfig.json")
+    main(_argv(tiny, out, "lisa", "--overwrite_output_dir", "true"))  # only an earlier run's outputs: as before
+    _check_full_model_replaced_adapter(Ctx(tmp_path, tiny, runs, None), {})
+    assert {"checkpoint-2", "checkpoint-4", "README.md", "model.safetensors"} <= set(
+        json.loads((out / MANIFEST_NAME).read_text())["written"])
+
+
+@pytest.mark.slow  # two full hf-lisa train runs
+def test_start_summary_says_what_is_held_out_and_what_happens_to_checkpoints(tiny, tmp_path, capsys):
+    main(_argv(tiny, tmp_path / "split", "lisa", "--validation_split_percentage", "25"))
+    said = capsys.readouterr().out
+    assert ("[hf-lisa] held out 25% of train (4 rows) for evaluation (--validation_split_percentage 0 to train on "
+            "all)\n") in said, said
+    assert ("[hf-lisa] checkpoint-N folders (optimizer state included) stay in output_dir beside the final model: "
+            "--keep_checkpoints false removes them once it is saved") in said
+
+    validation = write_jsonl(tmp_path / "validation.jsonl", copy_task_rows(4, seed=1))
+    out = tmp_path / "given"
+    main(_argv(tiny, out, "lisa", "--validation_split_percentage", "25", "--validation_file", validation,
+               "--keep_checkpoints", "false"))
+    said = capsys.readouterr().out
+    assert "held out" not in said and "[hf-lisa] method=lisa" in said
+    assert "[hf-lisa] checkpoint-N folders are removed once the final model is saved (--keep_checkpoints false)" \
+        in said
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")] and _model_in(out) == "model"
+    assert not [n for n in json.loads((out / MANIFEST_NAME).read_text())["written"] if n.startswith("checkpoint-")]
+
+
+@pytest.mark.slow  # a full hf-lisa train run
+def test_keep_checkpoints_false_keeps_them_when_the_run_fails(tiny, tmp_path):
+    _run_failing_at_the_final_save(_argv(tiny, tmp_path / "out", "lisa", "--keep_checkpoints", "false"))
+    assert _assert_checkpoints_complete(tmp_path / "out") == ["checkpoint-2", "checkpoint-4"]
+    assert _model_in(tmp_path / "out") is None and not _hidden(tmp_path / "out")
+
+
+@pytest.mark.slow  # a full hf-lisa train run
+def test_keep_checkpoints_false_removes_the_resumed_checkpoint_only_after_the_final_model(tiny, runs, tmp_path):
+    out = shutil.copytree(runs["lisa"], tmp_path / "out")
+    resume = ["--resume_from_checkpoint", str(out / "checkpoint-2"), "--keep_checkpoints", "false"]
+    _run_failing_at_the_final_save(_argv(tiny, out, "lisa", *resume))
+    assert _assert_checkpoints_complete(out) == ["checkpoint-2", "checkpoint-4"]  # the resumed one too
+    main(_argv(tiny, out, "lisa", *resume))
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")] and _model_in(out) == "model"

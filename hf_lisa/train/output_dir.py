@@ -9,6 +9,11 @@
   :data:`STAGING_PREFIX` (hidden, never ``checkpoint-*``) and are renamed into place once complete
   (:class:`~hf_lisa.train.trainer.LisaTrainer`, :func:`~hf_lisa.train.outputs.staged_final_model`). A staging folder
   that a kill left behind is removed by the next run in that ``--output_dir`` (:func:`clear_previous_run`).
+* What hf-lisa wrote is recorded in :data:`MANIFEST_NAME` (:func:`record_outputs`): the final model's files, summary,
+  plot and card, each ``checkpoint-N`` (before it is written) and ``runs/``. ``--overwrite_output_dir`` removes or
+  replaces only those, and refuses a folder that holds anything else unless ``--delete_foreign_files`` is given
+  (:func:`split_owned`; a folder from before the manifest is judged by the names a run writes).
+* One run per folder at a time: :class:`~hf_lisa.train.run_lock.OutputDirLock`, taken by :func:`claim_output_dir`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..hub.summary import TRAINING_SUMMARY_NAME
 from ..methods import FULL, METHODS, method_of_adapter
 from ..scheduler.state import LISA_STATE_FILE
 from ..trainer_callbacks.state import stored_schedule_settings
+from .run_lock import LOCK_NAME, OutputDirLock, check_not_in_use
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -44,6 +50,16 @@ MODEL_FILE_PATTERNS = WEIGHT_PATTERNS + (
     "*config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
     "chat_template.*", "README.md", TRAINING_SUMMARY_NAME, "training_args.json", "loss.png",
 )
+#: the list of what hf-lisa train runs wrote in ``--output_dir`` (hidden, like the lock file and the staging folders)
+MANIFEST_NAME = ".hf-lisa-manifest.json"
+#: what a run writes at the top of ``--output_dir``: how a folder from before the manifest is judged (README.md only
+#: beside a training_summary.json; checkpoint-N folders as well)
+RUN_OUTPUT_PATTERNS = (
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+    "config.json", "generation_config.json", "adapter_config.json", "tokenizer*", "special_tokens_map.json",
+    "added_tokens.json", "vocab.*", "merges.txt", "*.model", "chat_template.*", "additional_chat_templates",
+    TRAINING_SUMMARY_NAME, "training_args.json", "loss.png", "runs",
+)
 #: ``--resume_from_checkpoint`` values that mean the newest complete checkpoint of ``--output_dir``
 LATEST = ("latest", "true")
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -53,14 +69,32 @@ _SCHEDULE_CALLBACKS = {"blocks": "LisaCallback", "adapter": "LisaAdapterCallback
 
 @dataclass
 class LisaTrainingArguments(TrainingArguments):
-    """transformers' ``TrainingArguments`` with ``--overwrite_output_dir``, which transformers 5 dropped."""
+    """transformers' ``TrainingArguments`` with ``--overwrite_output_dir`` (which transformers 5 dropped),
+    ``--delete_foreign_files`` and ``--keep_checkpoints``."""
 
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
             "help": "Reuse a non-empty --output_dir: the checkpoints of the run it holds are removed before training "
-            "starts and its final model is replaced when the new one is complete. Never allowed for the folder of "
-            "the model being trained, nor for a folder with model weights that no hf-lisa train run wrote."
+            "starts and its final model is replaced when the new one is complete. Only what earlier hf-lisa train "
+            "runs wrote there is removed: a folder that holds other files is refused (see --delete_foreign_files). "
+            "Never allowed for the folder of the model being trained, nor for a folder with model weights that no "
+            "hf-lisa train run wrote."
+        },
+    )
+    delete_foreign_files: bool = field(
+        default=False,
+        metadata={
+            "help": "--overwrite_output_dir, and also delete the files and folders in --output_dir that no hf-lisa "
+            "train run wrote (README.md, configs, notes, ...) before training starts. Model weights that no run "
+            "wrote are never deleted: such a folder is refused."
+        },
+    )
+    keep_checkpoints: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the checkpoint-N folders (model, optimizer state, RNG) in --output_dir beside the final "
+            "model. false removes them once the final model is saved, never before and never after a failure."
         },
     )
 
@@ -179,7 +213,7 @@ def check_resume_matches(checkpoint: str, lisa_args) -> None:
             f"--resume_from_checkpoint={checkpoint} was written by --method {written_by}, but this run is --method "
             f"{lisa_args.method}. Resume with --method {written_by}, or start a new run in another --output_dir."
         )
-    stored = schedules.get(_SCHEDULE_CALLBACKS.get(lisa_args.method), {})
+    stored = schedules.get(_SCHEDULE_CALLBACKS.get(METHODS[lisa_args.method].schedule), {})
     changed = [
         f"--{name}={getattr(lisa_args, name)!r} (the checkpoint has {value!r})"
         for name, value in stored.items()
@@ -191,6 +225,106 @@ def check_resume_matches(checkpoint: str, lisa_args) -> None:
             f"{', '.join(changed)}. A resumed run would follow neither schedule; resume with the checkpoint's values, "
             "or start a new run in another --output_dir."
         )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What earlier runs wrote: the manifest
+# ----------------------------------------------------------------------------------------------------------------------
+def visible_entries(output_dir: str) -> list[str]:
+    """The names in ``output_dir`` that count as its content: not the lock, the manifest or a staging folder."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(name for name in os.listdir(output_dir)
+                  if not name.startswith(STAGING_PREFIX) and name not in (LOCK_NAME, MANIFEST_NAME))
+
+
+def read_manifest(output_dir: str) -> Optional[set[str]]:
+    """The names :data:`MANIFEST_NAME` lists, or ``None`` when there is none (a folder from before it) or it cannot
+    be read (then the folder is judged as one from before it)."""
+    path = os.path.join(output_dir, MANIFEST_NAME)
+    try:
+        with open(path) as f:
+            names = json.load(f)["written"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        logger.warning("Ignoring %s, which cannot be read (%s): judging the folder by its file names.", path, err)
+        return None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        logger.warning("Ignoring %s: its 'written' is not a list of names.", path)
+        return None
+    return set(names)
+
+
+def split_owned(output_dir: str, entries: Optional[list[str]] = None) -> tuple[list[str], list[str]]:
+    """``(owned, foreign)``: the entries of ``output_dir`` that hf-lisa train runs wrote, and the others.
+
+    Owned are the names the manifest lists. A folder without one (from an earlier hf-lisa version) owns the names
+    that a run writes (:data:`RUN_OUTPUT_PATTERNS`, ``checkpoint-N`` folders) when it shows a run was there (a
+    ``training_summary.json`` or a ``checkpoint-N`` folder), README.md only beside a ``training_summary.json``.
+    """
+    entries = visible_entries(output_dir) if entries is None else entries
+    listed = read_manifest(output_dir)
+    if listed is not None:
+        owned = [name for name in entries if name in listed]
+    else:
+        summary = TRAINING_SUMMARY_NAME in entries
+        checkpoints = [name for name in entries if _CHECKPOINT.match(name)
+                       and os.path.isdir(os.path.join(output_dir, name))]
+        owned = [] if not (summary or checkpoints) else [
+            name for name in entries if name in checkpoints
+            or (summary if name == "README.md" else matches(name, RUN_OUTPUT_PATTERNS))
+        ]
+    return owned, [name for name in entries if name not in owned]
+
+
+def record_outputs(output_dir: str, names=()) -> None:
+    """Write :data:`MANIFEST_NAME` (atomically): what hf-lisa owns in ``output_dir`` now, plus ``names``, entries about
+    to be written (so that a kill while writing them leaves nothing unlisted). Entries gone are dropped; nothing is
+    written when nothing changes, or when the folder holds nothing of hf-lisa's and has no manifest."""
+    if not os.path.isdir(output_dir):
+        return
+    before = read_manifest(output_dir)
+    listed = set(split_owned(output_dir)[0]) | set(names)
+    if listed == before or (before is None and not listed):
+        return
+    staged = os.path.join(output_dir, STAGING_PREFIX + MANIFEST_NAME.lstrip("."))
+    with open(staged, "w") as f:
+        json.dump({"written_by": "hf-lisa train", "written": sorted(listed),
+                   "note": "what hf-lisa train runs wrote here: --overwrite_output_dir removes or replaces only these"},
+                  f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, os.path.join(output_dir, MANIFEST_NAME))
+
+
+def claim_output_dir(training_args, lock: OutputDirLock) -> None:
+    """On the process that saves: take the folder's lock (a second run is refused from here until this one ends), and
+    start the manifest with what earlier runs wrote there and the TensorBoard logs this run writes (``runs/``)."""
+    if not training_args.should_save:
+        return
+    lock.acquire()
+    output_dir = training_args.output_dir
+    logs = "tensorboard" in (training_args.report_to or []) and "runs" not in visible_entries(output_dir)
+    record_outputs(output_dir, ["runs"] if logs else [])
+
+
+def remove_checkpoints(output_dir: str) -> list[str]:
+    """Remove the ``checkpoint-N`` folders that hf-lisa runs wrote in ``output_dir`` (``--keep_checkpoints false``,
+    once the final model is in place); a folder that cannot be removed is reported, not raised. Returns the removed."""
+    removed = []
+    for name in split_owned(output_dir)[0]:
+        path = os.path.join(output_dir, name)
+        if _CHECKPOINT.match(name) and os.path.isdir(path) and not os.path.islink(path):
+            try:
+                shutil.rmtree(path)
+                removed.append(name)
+            except OSError as err:
+                logger.warning("--keep_checkpoints false: could not remove %s (%s).", path, err)
+    record_outputs(output_dir)
+    if removed:
+        logger.info("--keep_checkpoints false: removed %s from %s.", ", ".join(removed), output_dir)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -252,11 +386,12 @@ def check_output_dir(model_args, lisa_args, training_args) -> Optional[str]:
     Only reads the file system: what must go is removed once the run is ready to train (:func:`clear_previous_run`).
     """
     output_dir = training_args.output_dir
-    overwrite = getattr(training_args, "overwrite_output_dir", False)
+    overwrite, flag = _overwrite_flag(training_args)
     _check_writable_folder(output_dir)
+    if training_args.should_save:  # the process that takes the lock (claim_output_dir); others would find it taken
+        check_not_in_use(output_dir)
     _check_not_the_model(output_dir, model_args.model_name_or_path)
-    entries = [name for name in os.listdir(output_dir) if not name.startswith(STAGING_PREFIX)] if os.path.isdir(
-        output_dir) else []
+    entries = visible_entries(output_dir)
     _check_no_foreign_weights(output_dir, entries)
     resume = _resolve_resume(training_args.resume_from_checkpoint, output_dir)
     if resume is not None:
@@ -265,8 +400,8 @@ def check_output_dir(model_args, lisa_args, training_args) -> Optional[str]:
         output_dir)
     if own and overwrite:
         raise UsageError(
-            f"--overwrite_output_dir would delete the checkpoints of --output_dir={output_dir}, including "
-            f"--resume_from_checkpoint={resume}. Resume without --overwrite_output_dir, or start over without "
+            f"{flag} would delete the checkpoints of --output_dir={output_dir}, including "
+            f"--resume_from_checkpoint={resume}. Resume without {flag}, or start over without "
             "--resume_from_checkpoint."
         )
     if entries and not overwrite and not own:
@@ -275,26 +410,59 @@ def check_output_dir(model_args, lisa_args, training_args) -> Optional[str]:
         hint = f"--resume_from_checkpoint latest to continue from {resumable}, " if resumable else ""
         raise UsageError(
             f"--output_dir={output_dir} is not empty (it holds {shown}). Use {hint}--overwrite_output_dir to replace "
-            "what it holds, or another --output_dir."
+            "what hf-lisa train runs wrote there (--delete_foreign_files to delete the rest too), or another "
+            "--output_dir."
         )
+    if overwrite and entries:
+        _check_foreign_files(output_dir, entries, getattr(training_args, "delete_foreign_files", False))
     training_args.resume_from_checkpoint = resume
     return resume
 
 
+def _overwrite_flag(training_args) -> tuple[bool, str]:
+    """Whether the run replaces what ``--output_dir`` holds, and the flag that says so."""
+    if getattr(training_args, "delete_foreign_files", False):
+        return True, "--delete_foreign_files"
+    return bool(getattr(training_args, "overwrite_output_dir", False)), "--overwrite_output_dir"
+
+
+def _check_foreign_files(output_dir: str, entries: list[str], delete: bool) -> None:
+    """Refuse to overwrite a folder holding what no hf-lisa train run wrote, unless ``delete``; never delete weights."""
+    foreign = split_owned(output_dir, entries)[1]
+    weights = [name for name in foreign if matches(name, WEIGHT_PATTERNS)]
+    if weights:
+        raise UsageError(
+            f"--output_dir={output_dir} holds model weights that no hf-lisa train run wrote ({', '.join(weights[:4])}; "
+            f"they are not in its {MANIFEST_NAME}). hf-lisa never deletes them, even with --delete_foreign_files. "
+            "Move them away first, or choose another --output_dir."
+        )
+    if foreign and not delete:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise UsageError(
+            f"--overwrite_output_dir: --output_dir={output_dir} holds files that no hf-lisa train run wrote: {shown}. "
+            "--overwrite_output_dir removes only what earlier runs wrote there; nothing was deleted. Move those away, "
+            "choose another --output_dir, or pass --delete_foreign_files true to delete them as well."
+        )
+
+
 def clear_previous_run(training_args) -> list[str]:
     """Remove what an earlier run left in ``--output_dir``: unfinished saves, and with ``--overwrite_output_dir`` its
-    checkpoints (they would mix with this run's). Its final model stays until this run's replaces it.
+    checkpoints (they would mix with this run's), with ``--delete_foreign_files`` also what no run wrote there
+    (:func:`split_owned`). Its final model stays until this run's replaces it.
 
     Call it on the process(es) that save, once the run is ready to train. Returns the paths removed.
     """
     output_dir = training_args.output_dir
     if not os.path.isdir(output_dir):
         return []
-    overwrite = getattr(training_args, "overwrite_output_dir", False)
-    removed = [
-        os.path.join(output_dir, name) for name in sorted(os.listdir(output_dir))
-        if name.startswith(STAGING_PREFIX) or (overwrite and _CHECKPOINT.match(name))
-    ]
+    overwrite, _ = _overwrite_flag(training_args)
+    owned, foreign = split_owned(output_dir)
+    names = [name for name in os.listdir(output_dir) if name.startswith(STAGING_PREFIX)]
+    if overwrite:
+        names += [name for name in owned if _CHECKPOINT.match(name)]
+    if getattr(training_args, "delete_foreign_files", False):
+        names += foreign
+    removed = [os.path.join(output_dir, name) for name in sorted(names)]
     for path in removed:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
@@ -303,4 +471,5 @@ def clear_previous_run(training_args) -> list[str]:
     if removed:
         logger.info("Removed from %s what an earlier run left: %s", output_dir,
                     ", ".join(os.path.basename(p) for p in removed))
+        record_outputs(output_dir)
     return removed

@@ -1,4 +1,5 @@
-"""What a run leaves behind: the start-of-training line, the loss plot, the final model, its summary and model card."""
+"""What a run leaves behind: the start-of-training lines, the loss plot, the final model, its summary and model card,
+each recorded in ``output_dir``'s manifest (:func:`~hf_lisa.train.output_dir.record_outputs`) with the checkpoints."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from typing import Iterator, Optional, Sequence
 from torch import nn
 
 from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
-from .output_dir import MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches
+from .output_dir import (MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches, record_outputs,
+                         remove_checkpoints, split_owned)
 from .quantization import parameter_count
 
 logger = logging.getLogger("hf_lisa.train")
 
 __all__ = ["LOSS_PLOT_NAME", "TRAINING_SUMMARY_NAME", "build_training_summary", "plot_losses", "save_final_model",
-           "staged_final_model", "trainable_summary", "write_model_card"]
+           "held_out_rows", "staged_final_model", "start_notes", "trainable_summary", "write_model_card"]
 
 
 LOSS_PLOT_NAME = "loss.png"
@@ -86,12 +88,40 @@ def never_trained(model: nn.Module, schedules: Sequence) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) in frozen]
 
 
+def held_out_rows(raw) -> int:
+    """How many rows of train ``raw["validation"]`` holds when it was split from train (the same source, as
+    :func:`~hf_lisa.train.validation.source_of` reads it from the line numbers), else 0."""
+    from .validation import source_of
+
+    if "validation" not in raw or source_of(raw["validation"]) != source_of(raw["train"]):
+        return 0
+    return len(raw["validation"])
+
+
+def start_notes(training_args, held_out: int = 0, validation_split_percentage: float = 0.0) -> list[str]:
+    """What the start-of-training lines say beyond the parameters: the rows of train held out for evaluation
+    (``held_out``, when the validation set was split from train) and the checkpoints kept beside the final model."""
+    notes = []
+    if held_out:
+        notes.append(f"held out {validation_split_percentage:g}% of train ({held_out} row{'s' * (held_out != 1)}) for "
+                     "evaluation (--validation_split_percentage 0 to train on all)")
+    if training_args.save_strategy != "no":
+        if not getattr(training_args, "keep_checkpoints", True):
+            notes.append("checkpoint-N folders are removed once the final model is saved (--keep_checkpoints false)")
+        else:
+            kept = "weights only" if training_args.save_only_model else "optimizer state included"
+            notes.append(f"checkpoint-N folders ({kept}) stay in output_dir beside the final model: "
+                         "--keep_checkpoints false removes them once it is saved, --save_strategy no writes none")
+    return notes
+
+
 def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[str], store: dict,
-                      schedules: Sequence = ()):
+                      schedules: Sequence = (), notes: Sequence[str] = ()):
     from transformers import TrainerCallback
 
     class StartSummaryCallback(TrainerCallback):
-        """Prints one line when training starts, after the LISA callbacks have frozen what does not train."""
+        """Prints one line when training starts, after the LISA callbacks have frozen what does not train, and the
+        ``notes`` (:func:`start_notes`) a line each."""
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             info = trainable_summary(model, layers_attribute)
@@ -111,10 +141,32 @@ def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[s
                 shown = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
                 line += (f"\n[{SUMMARY_PREFIX}] never trains (outside the blocks, not in --lisa_always_trainable): "
                          f"{shown}")
+            line += "".join(f"\n[{SUMMARY_PREFIX}] {note}" for note in notes)
             if state.is_world_process_zero:
                 print(line, flush=True)
 
     return StartSummaryCallback()
+
+
+def _manifest_callback():
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    class OutputManifestCallback(TrainerCallback):
+        """Lists each ``checkpoint-N`` in ``output_dir``'s manifest before the Trainer writes it (a kill while it is
+        written leaves nothing of this run unlisted), and drops the ones rotated away once it is saved."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if control.should_save and args.should_save:
+                record_outputs(args.output_dir, [f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"])
+
+        on_epoch_end = on_step_end
+
+        def on_save(self, args, state, control, **kwargs):
+            if args.should_save:
+                record_outputs(args.output_dir)
+
+    return OutputManifestCallback()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -178,26 +230,31 @@ def _weight_rank(name: str) -> int:
 def publish_model_files(staging: str, output_dir: str) -> None:
     """Move the files of the complete model in ``staging`` into ``output_dir`` in place of the model there.
 
-    The previous model's files (:data:`~hf_lisa.train.output_dir.MODEL_FILE_PATTERNS`) go first, shard indexes and
-    weights before the rest, so that a lisa run's ``model.safetensors`` never stays beside a later adapter; then the
-    new files arrive, weights last and shard indexes after their shards. Every step is a rename on one file system: a
-    kill in between leaves a folder that no loader takes for a model, never a mix of two models or half of one.
-    Checkpoints, logs and other files in ``output_dir`` stay.
+    The previous model's files (:data:`~hf_lisa.train.output_dir.MODEL_FILE_PATTERNS`, only those an hf-lisa run
+    wrote: :func:`~hf_lisa.train.output_dir.split_owned`) go first, shard indexes and weights before the rest, so
+    that a lisa run's ``model.safetensors`` never stays beside a later adapter; then the new files arrive, weights last
+    and shard indexes after their shards. Every step is a rename on one file system: a kill in between leaves a folder
+    that no loader takes for a model, never a mix of two models or half of one. The manifest lists the new files
+    before they arrive. Checkpoints, logs and files no run wrote stay.
     """
-    previous = [name for name in os.listdir(output_dir)
+    previous = [name for name in split_owned(output_dir)[0]
                 if matches(name, MODEL_FILE_PATTERNS) and os.path.isfile(os.path.join(output_dir, name))]
+    arriving = sorted(os.listdir(staging), key=_weight_rank)
+    record_outputs(output_dir, arriving)
     for name in sorted(previous, key=_weight_rank, reverse=True):
         os.remove(os.path.join(output_dir, name))
-    for name in sorted(os.listdir(staging), key=_weight_rank):
+    for name in arriving:
         os.replace(os.path.join(staging, name), os.path.join(output_dir, name))
     os.rmdir(staging)
+    record_outputs(output_dir)  # the previous model's files that the new one did not replace are gone
 
 
 @contextmanager
-def staged_final_model(output_dir: str, should_save: bool) -> Iterator[str]:
+def staged_final_model(output_dir: str, should_save: bool, keep_checkpoints: bool = True) -> Iterator[str]:
     """A staging folder (``output_dir/.partial-final``) for everything the final save writes: weights, tokenizer,
     ``training_args.json``, summary, plot and card; moved into ``output_dir`` by :func:`publish_model_files` when the
     block completes, removed when it raises. A full disk or a crash while writing leaves ``output_dir`` as it was.
+    With ``keep_checkpoints=False`` the ``checkpoint-N`` folders go once the new model is in place, never before.
 
     Example:
         ```py
@@ -214,6 +271,8 @@ def staged_final_model(output_dir: str, should_save: bool) -> Iterator[str]:
         if should_save:
             fsync_tree(staging)
             publish_model_files(staging, output_dir)
+            if not keep_checkpoints:
+                remove_checkpoints(output_dir)
     finally:
         if should_save:
             shutil.rmtree(staging, ignore_errors=True)

@@ -89,10 +89,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     training_args.push_to_hub = False
     with OutputDirLock(training_args.output_dir) as lock:  # released when run() returns or raises
         _check_and_prepare(model_args, lisa_args, training_args, data_args)
-        claim_output_dir(training_args, lock)  # a second run into output_dir is refused from here on
         finished = _finished_checkpoint(training_args)
         if finished is not None:
             return finished
+        claim_output_dir(training_args, lock)  # a second run into output_dir is refused from here on
         raw, bundled, held_out = _load_data(model_args, data_args, training_args)
         job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started, held_out)
         job.build()
