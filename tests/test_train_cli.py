@@ -256,7 +256,8 @@ def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_pa
     assert "pushed_to" in summary
     # the card is rendered once, for the target repo: the output directory holds the very card that was uploaded
     assert files["README.md"] == (tmp_path / "lora" / "README.md").read_bytes()
-    assert b'hf_lisa.from_pretrained("alice/tiny-lora")' in files["README.md"]
+    assert b'AutoPeftModelForCausalLM.from_pretrained("alice/tiny-lora")' in files["README.md"]  # plain PEFT: LoRA
+    assert b"import hf_lisa" not in files["README.md"]
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "loss.png"} <= set(files)
     assert not [f for f in files if f.endswith(".bin")]
     assert len(server.commits("alice/tiny-lora")) >= 1

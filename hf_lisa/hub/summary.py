@@ -46,18 +46,24 @@ class TrainingSummary:
     Args:
         base_model: Hub id of the base model (a local path is kept here but left out of the card's metadata).
         method: ``"lisa"``, ``"lisa-adapter"``, ``"lora"``, ``"dora"`` or ``"full"``.
-        lisa: the method's knobs (``activated_layers``, ``interval_steps``, ``sampling``, ...).
+        lisa: the settings the method used, and only those (``activated_layers``, ``interval_steps``, ``sampling``,
+            ``r``, ``sparsity``, ...): the model card lists them, less those a choice switched off.
         hyperparameters: learning rate, steps, batch size, ... as shown in the card.
         metrics: final metrics by name (``eval_loss``, ``eval_exact_match``, ..., ``*_before`` for the start).
         datasets: Hub ids of the training datasets, for the card's ``datasets`` metadata.
         dataset_name: the dataset the metrics were measured on, for the card's ``model-index``.
-        data: where the rows came from and how many were kept.
+        data: where the rows came from and how many were kept: ``source``, ``format``, ``train_file``,
+            ``validation_file``, ``rows_kept`` (``{split: rows}``) and ``rows_skipped`` (``{split: {reason: rows}}``);
+            the card's data table.
         loss_plot: file name of the loss plot inside the output directory.
         license: license identifier of the trained model.
-        trainable: the trainable-parameter counts printed when training started.
+        trainable: the trainable-parameter counts printed when training started (``trainable_params``,
+            ``total_params``, ...).
         runtime_seconds: wall-clock time of the run.
         output_dir: where the run saved its model.
-        arguments: the parsed command-line arguments, by group.
+        arguments: the parsed command-line arguments, by group (``model``, ``data``, ``lisa``): the card reads the
+            split percentage, the sample caps and the generation samples from ``data``, and from ``model`` whether the
+            embedded default model was trained.
 
     Example:
         ```py
