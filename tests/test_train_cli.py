@@ -316,3 +316,18 @@ def test_help_of_the_command_and_of_train(capsys):
     assert "usage: hf-lisa train [CONFIG.yaml" in out and "--lisa_activated_layers" in out and "--learning_rate" in out
     assert cli.main(["config-reference", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_the_loss_plot_marks_the_steps_where_blocks_switched(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from hf_lisa.train.outputs import plot_losses
+
+    drawn = []
+    original = Axes.axvline
+    monkeypatch.setattr(Axes, "axvline", lambda self, x=0, **kw: drawn.append((x, kw.get("label"))) or original(
+        self, x, **kw))
+    history = [{"step": s, "loss": 5.0 - 0.1 * s} for s in range(1, 9)] + [{"step": 4, "eval_loss": 4.7}]
+    path = plot_losses(history, str(tmp_path / "loss.png"), before_eval_loss=5.0, switch_steps=[6, 3, 3])
+    assert path and (tmp_path / "loss.png").stat().st_size > 0
+    assert drawn == [(3, "blocks switched"), (6, None)]  # once each, in order, one legend entry

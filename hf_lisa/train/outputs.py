@@ -174,8 +174,9 @@ def _manifest_callback():
 # ----------------------------------------------------------------------------------------------------------------------
 def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[float] = None,
                 after_eval_loss: Optional[float] = None, final_step: Optional[int] = None,
-                title: str = "hf-lisa training") -> Optional[str]:
-    """Write a PNG of the training loss (and the eval loss) against the optimizer step; ``None`` without matplotlib."""
+                title: str = "hf-lisa training", switch_steps: Sequence[int] = ()) -> Optional[str]:
+    """Write a PNG of the training loss (and the eval loss) against the optimizer step, with a faint vertical line at
+    each step where LISA switched its active blocks (``switch_steps``); ``None`` without matplotlib."""
     try:
         import matplotlib
 
@@ -195,6 +196,9 @@ def plot_losses(log_history: list[dict], path: str, before_eval_loss: Optional[f
         ax.plot(*zip(*train), label="train loss", color="tab:blue")
     if evals:
         ax.plot(*zip(*sorted(evals)), "o--", label="eval loss", color="tab:orange")
+    for i, step in enumerate(sorted(set(switch_steps))):
+        ax.axvline(step, color="0.5", linewidth=0.8, linestyle=":", alpha=0.6,
+                   label="blocks switched" if i == 0 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title(title)

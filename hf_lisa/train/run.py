@@ -207,6 +207,7 @@ class _Run:
         if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
         model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+        self.scheduling_callbacks = scheduling_callbacks
         self.trainer = self._trainer(model, tokenized, scheduling_callbacks)
         self.gen_rows = []
         n_gen = data_args.eval_generation_samples or 0
@@ -291,6 +292,12 @@ class _Run:
         train_result = self.trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         self.metrics["train_loss"] = float(train_result.training_loss)
 
+    def switch_steps(self) -> list[int]:
+        """The steps after the first where the layer schedule drew new active blocks in this session."""
+        histories = [getattr(getattr(cb, "layer_scheduler", None), "history", None) or []
+                     for cb in self.scheduling_callbacks]
+        return sorted({step for history in histories for step, _ in history if step})
+
     def save_and_push(self, push_repo: Optional[str]) -> dict:
         """Save the final model, summary, plot and card (staged, then moved into place); push if asked."""
         trainer, lisa_args, training_args = self.trainer, self.lisa_args, self.training_args
@@ -312,6 +319,7 @@ class _Run:
                     before_eval_loss=metrics.get("eval_loss_before"), after_eval_loss=metrics.get("eval_loss"),
                     final_step=trainer.state.global_step,
                     title=f"hf-lisa: {lisa_args.method} on {os.path.basename(base_model_id.rstrip('/'))}",
+                    switch_steps=self.switch_steps(),
                 )
                 summary.loss_plot = LOSS_PLOT_NAME if plot else None
                 summary.save(staging)
