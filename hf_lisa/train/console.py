@@ -20,7 +20,8 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from .outputs import SUMMARY_PREFIX
 
 #: the console's keys of a training step's log, in order, with their format
-STEP_KEYS = (("loss", "{:.4f}"), ("grad_norm", "{:.4g}"), ("learning_rate", "{:.2g}"), ("epoch", "{:.2f}"))
+STEP_KEYS = (("loss", "{:.4f}"), ("grad_norm", "{:.4g}"), ("learning_rate", "{:.2g}"), ("epoch", "{:.2f}"),
+             ("ddp/grad_bytes_per_step", "{:.0f}"))  # the last under DDP only: what the active-set all-reduce sent
 #: the short names the console uses
 SHORT = {"learning_rate": "lr"}
 #: the evaluation metrics the console shows (the rest: runtime, samples/s, ... go to --report_to only)
