@@ -32,8 +32,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hf-lisa demo --output_dir outputs
 
+# one torch thread per test process: the tiny models run faster single-threaded on 2 shared cores (the multi-process
+# tests set it for their ranks already)
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 # `make test` less its slow, distributed and gguf tests (pyproject.toml), one thread for tiny models: ~2 min on 2 cores
 test-fast: $(STAMP)
