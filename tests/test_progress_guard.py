@@ -203,3 +203,17 @@ def test_the_command_exits_1_with_one_line(tmp_path, capsys):
     assert errors[0].startswith("hf-lisa train: error: nothing trained in 3 optimizer step(s)")
     assert "no weight changed" in errors[0] and "--debug" not in errors[0]
     assert not (tmp_path / "out" / "training_summary.json").exists()
+
+
+def test_the_fingerprint_samples_inside_a_large_tensor():
+    """A float32 linspace rounded the last position of the demo's 49152 x 576 embedding (28311551) up past its end:
+    ``hf-lisa demo`` stopped at step 1 with an IndexError."""
+    from hf_lisa.trainer_callbacks.progress import _Fingerprint
+
+    big = torch.zeros(49152 * 576)
+    big[-1] = 1.0
+    fingerprint = _Fingerprint(big, 16)
+    assert fingerprint.sample.shape == (16,) and fingerprint.sample[-1].item() == 1.0  # the last value, sampled
+    small = _Fingerprint(torch.arange(5, dtype=torch.float32), 16)
+    assert small.sample.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert _Fingerprint(torch.zeros(0), 16).sample.numel() == 0

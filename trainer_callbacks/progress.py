@@ -70,7 +70,10 @@ class _Fingerprint:
         total = torch.zeros((), dtype=torch.float64, device=flat.device)
         for part in flat.split(_SLICE):
             total += part.sum(dtype=torch.float64)
-        index = torch.linspace(0, flat.numel() - 1, min(k, flat.numel()), device=flat.device).round().long()
+        # integer positions: a float32 linspace rounds numel - 1 up past the end for large tensors (28311551 of a
+        # 49152 x 576 embedding became 28311552)
+        n = flat.numel()
+        index = (torch.arange(min(k, n), device=flat.device, dtype=torch.int64) * (n - 1)) // max(min(k, n) - 1, 1)
         self.total, self.sample = total, flat[index].clone()
 
     def differs(self, other: "_Fingerprint") -> bool:
