@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_lisa
-from hf_lisa.errors import UsageError
+from hf_lisa.errors import RunError, UsageError
 from hf_lisa.export import export_gguf, export_lora, export_merged
 from hf_lisa.export.common import held_out_prompts, prompt_ids
 from hf_lisa.export.gguf import compare_greedy, greedy_tokens, load_gguf
@@ -161,7 +161,7 @@ def test_plain_peft_in_a_fresh_process_reproduces_the_logits(base, dense, tmp_pa
 def test_sparse_adapter_exports_by_svd_with_the_reported_error(sparse, tmp_path):
     from hf_lisa.tuner.layer import LisaLayer
 
-    report = export_lora(sparse, tmp_path / "lora")
+    report = export_lora(sparse, tmp_path / "lora", accept_error=True)  # rank 4 loses more than the default 0.05
     assert not report.exact and report.rank == 4
     svd = {m.module: m for m in report.modules if m.method == "svd"}
     copied = {m.module for m in report.modules if m.method == "copied"}
@@ -186,7 +186,7 @@ def test_sparse_adapter_exports_by_svd_with_the_reported_error(sparse, tmp_path)
 
 
 def test_max_error_refuses_and_writes_nothing(sparse, tmp_path):
-    with pytest.raises(UsageError, match=r"max_error=0\.01 exceeded.*raise --rank"):
+    with pytest.raises(RunError, match=r"exceeds max_error=0\.01 \(--max_error\).*Raise --rank"):
         export_lora(sparse, tmp_path / "lora", rank=1, max_error=0.01)
     assert not (tmp_path / "lora").exists() and _no_partials(tmp_path)
 
@@ -389,3 +389,134 @@ def test_merged_export_matches_the_adapter(sparse, tmp_path):
     with torch.no_grad():
         assert (base(input_ids=input_ids).logits - b).abs().max() > 1e-3  # the adapter is really in the weights
     assert _no_partials(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# issue 23 items 4 and 13: links out of the source, the user's umask, the LoRA error threshold, the GGUF check
+# ----------------------------------------------------------------------------------------------------------------------
+SECRET = b"a file outside the source folder: 52be31f0-never-copied"
+
+
+def _linked_source(adapter: str, tmp_path) -> tuple[str, str]:
+    """A copy of ``adapter`` with links out of it (a file, a folder, a tokenizer file, the chat templates folder)."""
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "secret.txt").write_bytes(SECRET)
+    (outside / "chat_template.jinja").write_bytes(b"{{ '" + SECRET + b"' }}")
+    (outside / "dir" / "extra.jinja").write_bytes(SECRET)
+    source = tmp_path / "source"
+    shutil.copytree(adapter, source)
+    (source / "secret.txt").symlink_to(outside / "secret.txt")
+    (source / "extra_dir").symlink_to(outside / "dir", target_is_directory=True)
+    (source / "chat_template.jinja").symlink_to(outside / "chat_template.jinja")
+    (source / "additional_chat_templates").symlink_to(outside / "dir", target_is_directory=True)
+    return str(source), str(outside)
+
+
+def _tree(folder) -> dict[str, bytes]:
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return found
+
+
+@pytest.mark.parametrize("kind", ["merged", "lora"])
+def test_export_never_follows_a_link_out_of_the_source(kind, dense, tmp_path, capsys):
+    from hf_lisa.cli import main
+
+    source, outside = _linked_source(dense, tmp_path)
+    out = tmp_path / "out"
+    assert main(["export", kind, source, str(out), "--skip_logit_check"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    files = _tree(out)
+    assert not [f for f in files if f.startswith(("secret", "extra_dir", "additional_chat_templates", "chat_templ"))]
+    assert not [f for f, data in files.items() if SECRET in data], "an outside file was copied"
+    assert "tokenizer.json" in files  # the tokenizer files that are no links are still copied
+    for link, target in (("secret.txt", "secret.txt"), ("extra_dir", "dir"), ("chat_template.jinja",
+                         "chat_template.jinja"), ("additional_chat_templates", "dir")):
+        assert "skipped link (leads out of the " in printed and f"{link} -> {os.path.join(outside, target)}" in printed
+
+
+def test_export_refuses_weights_behind_a_link_out_of_the_source(dense, tmp_path, capsys):
+    from hf_lisa.cli import main
+
+    source, outside = _linked_source(dense, tmp_path)
+    shutil.move(os.path.join(source, "adapter_model.safetensors"), os.path.join(outside, "adapter_model.safetensors"))
+    os.symlink(os.path.join(outside, "adapter_model.safetensors"), os.path.join(source, "adapter_model.safetensors"))
+    for kind in ("merged", "lora"):
+        assert main(["export", kind, source, str(tmp_path / kind), "--skip_logit_check"]) == 2
+        err = capsys.readouterr().err
+        assert "adapter_model.safetensors in " in err and "is a symbolic link to" in err, err
+        assert not (tmp_path / kind).exists()
+
+
+def _modes(folder) -> dict[str, int]:
+    modes = {".": os.stat(folder).st_mode & 0o777}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            modes[os.path.relpath(os.path.join(root, name), folder)] = os.stat(os.path.join(root, name)).st_mode & 0o777
+    return modes
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_lora_and_merged_exports_keep_the_users_umask(dense, tmp_path, umask_022):
+    export_lora(dense, tmp_path / "lora", check_logits=False)
+    export_merged(dense, tmp_path / "merged", check_logits=False)
+    for out in ("lora", "merged"):
+        modes = _modes(tmp_path / out)
+        assert len(modes) > 3
+        for name, mode in modes.items():
+            expected = 0o755 if os.path.isdir(tmp_path / out / name) else 0o644
+            assert mode == expected, f"{out}/{name}: {oct(mode)}, expected {oct(expected)}"
+    os.umask(0o027)  # not a fixed mode: whatever the umask leaves
+    export_lora(dense, tmp_path / "lora-027", check_logits=False)
+    assert set(_modes(tmp_path / "lora-027").values()) == {0o750, 0o640}
+
+
+@needs_gguf
+@pytest.mark.gguf
+def test_gguf_export_keeps_the_users_umask(base, tmp_path, umask_022):
+    export_gguf(base, tmp_path / "model.gguf")
+    assert os.stat(tmp_path / "model.gguf").st_mode & 0o777 == 0o644
+
+
+def test_sparse_lora_export_refuses_a_large_error_unless_accepted(sparse, dense, tmp_path, capsys):
+    from hf_lisa.cli import main
+
+    out = tmp_path / "lora"
+    assert main(["export", "lora", sparse, str(out), "--skip_logit_check"]) == 1
+    err = capsys.readouterr().err
+    assert not out.exists() and _no_partials(tmp_path)
+    accepted = export_lora(sparse, out, accept_error=True, check_logits=False)
+    assert accepted.max_relative_error > 0.05
+    assert f"Max relative Frobenius error {accepted.max_relative_error:.4g} exceeds max_error=0.05" in err, err
+    assert "--rank" in err and "--accept_error" in err and "Nothing was written" in err
+    with pytest.raises(RunError, match="the default --max_error 0.05"):
+        export_lora(sparse, tmp_path / "again", check_logits=False)
+    assert main(["export", "lora", sparse, str(out), "--skip_logit_check", "--overwrite", "--accept_error"]) == 0
+    assert main(["export", "lora", sparse, str(out), "--skip_logit_check", "--overwrite", "--max_error", "1"]) == 0
+    assert main(["export", "lora", sparse, str(out), "--skip_logit_check", "--overwrite", "--rank", "64"]) == 0
+    assert main(["export", "lora", dense, str(tmp_path / "dense"), "--skip_logit_check"]) == 0  # exact: error 0
+    assert "LoRA export: exact" in capsys.readouterr().out
+
+
+@needs_gguf
+@pytest.mark.gguf
+def test_gguf_command_prints_its_verification(sparse, tmp_path, capsys):
+    from hf_lisa.cli import main
+
+    assert main(["export", "gguf", sparse, str(tmp_path / "model.gguf")]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.startswith("verification"))
+    assert "8 held-out demo prompts, 16 greedy tokens each: 8/8 generations identical" in line, line
+    assert "100.0% of the greedy tokens equal to the source model's" in line, line
+    assert main(["export", "gguf", sparse, str(tmp_path / "model.gguf"), "--overwrite", "--verify_prompts", "0"]) == 0
+    assert "verification: none" in capsys.readouterr().out

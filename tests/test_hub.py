@@ -705,3 +705,158 @@ def test_cli_reports_usage_and_missing_directory(work, capsys):
     assert hub_cli(["push", str(work / "empty"), "alice/x"]) == 2
     assert "holds neither adapter_config.json" in capsys.readouterr().err
     assert hub_cli(["push", str(work / "empty"), "not a repo id"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# symbolic links out of the output folder (issue 23 item 4)
+# ----------------------------------------------------------------------------------------------------------------------
+SECRET = b"a file outside the output folder: 7d1f0c9e-never-uploaded"
+
+
+def linked_output(trained, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the training output with links out of it (a file, a folder, a tokenizer file and the chat templates
+    folder, which staging copies by name) and one link inside it (tokenizer_config.json, which must be followed)."""
+    import shutil
+
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "secret.txt").write_bytes(SECRET)
+    (outside / "chat_template.jinja").write_bytes(b"{{ '" + SECRET + b"' }}")
+    (outside / "dir" / "extra.jinja").write_bytes(SECRET)
+    out = tmp_path / "output"
+    shutil.copytree(trained["dir"], out, ignore=shutil.ignore_patterns("checkpoint-*", "training_args.bin"))
+    (out / "secret.txt").symlink_to(outside / "secret.txt")
+    (out / "extra_dir").symlink_to(outside / "dir", target_is_directory=True)
+    (out / "chat_template.jinja").symlink_to(outside / "chat_template.jinja")
+    (out / "additional_chat_templates").symlink_to(outside / "dir", target_is_directory=True)
+    (out / "inner").mkdir()
+    (out / "tokenizer_config.json").rename(out / "inner" / "tokenizer_config.json")
+    (out / "tokenizer_config.json").symlink_to(Path("inner") / "tokenizer_config.json")
+    return out, outside
+
+
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_push_never_follows_a_link_out_of_the_output_folder(mode, hub, trained, pushed, tmp_path, monkeypatch,
+                                                             caplog, capsys):
+    import huggingface_hub.constants as hf_constants
+
+    from hf_lisa.cli import main
+
+    out, outside = linked_output(trained, tmp_path)
+    repo = f"alice/linked-{mode}"
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    with caplog.at_level(logging.WARNING, logger="hf_lisa"):
+        assert main(["push", str(out), repo, "--mode", mode, "--token", WRITE_TOKEN]) == 0, capsys.readouterr().err
+    files = hub.files(repo)
+    assert not [f for f in files if f.startswith(("secret", "extra_dir", "additional_chat_templates", "chat_template"))]
+    assert not [sha for sha, data in hub.state.objects.items() if SECRET in data], "an outside file was uploaded"
+    # the link inside the folder is followed: the tokenizer config is there, with its content
+    assert files["tokenizer_config.json"] == (out / "inner" / "tokenizer_config.json").read_bytes()
+    for link, target in (("secret.txt", outside / "secret.txt"), ("extra_dir", outside / "dir"),
+                         ("chat_template.jinja", outside / "chat_template.jinja"),
+                         ("additional_chat_templates", outside / "dir")):
+        assert f"Skipping {link} -> {target}" in caplog.text, caplog.text
+
+
+def test_push_refuses_weights_behind_a_link_out_of_the_folder(hub, trained, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import huggingface_hub.constants as hf_constants
+
+    from hf_lisa.cli import main
+
+    out, outside = linked_output(trained, tmp_path)
+    shutil.move(out / "adapter_model.safetensors", outside / "adapter_model.safetensors")
+    (out / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    requests = len(hub.state.requests)
+    for mode in ("adapter", "merged"):
+        assert main(["push", str(out), "alice/linked-weights", "--mode", mode, "--token", WRITE_TOKEN]) == 2
+        err = capsys.readouterr().err
+        assert f"adapter_model.safetensors in {str(out)!r} is a symbolic link to " in err, err
+        assert str(outside / "adapter_model.safetensors") in err
+    assert len(hub.state.requests) == requests and not hub.has_repo("alice/linked-weights")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# an adapter whose base model is a local folder (issue 23 item 14)
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_base_push(hub, trained, base_dir, pushed, work):
+    """An adapter folder as training saves it, without training_summary.json: its config names the local base_dir and
+    no Hub id is known. Pushed without --base_model (refused), then with it."""
+    import contextlib
+    import io
+    import shutil
+
+    import huggingface_hub.constants as hf_constants
+
+    from hf_lisa.cli import main
+
+    folder = work / "local-base"
+    folder.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(trained["dir"] / name, folder / name)
+    result = {"folder": folder, "recorded": json.loads((folder / "adapter_config.json").read_text())[
+        "base_model_name_or_path"]}
+    requests = len(hub.state.requests)
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(io.StringIO()) as err:
+        mp.setattr(hf_constants, "ENDPOINT", hub.url)
+        result["refused_status"] = main(["push", str(folder), "alice/local-base", "--token", WRITE_TOKEN])
+        result["refused_err"] = err.getvalue()
+        result["requests_after_refusal"] = len(hub.state.requests) - requests
+        result["repo_after_refusal"] = hub.has_repo("alice/local-base")
+        for what, source in (("api_dir", folder), ("api_model", trained["model"])):
+            try:
+                push_to_hub(source, "alice/local-base", token=WRITE_TOKEN, endpoint=hub.url)
+                result[what] = None
+            except Exception as exc:  # noqa: BLE001 - recorded for the test to check its type and message
+                result[what] = exc
+        result["pushed_status"] = main(["push", str(folder), "alice/local-base", "--token", WRITE_TOKEN,
+                                        "--base_model", BASE_REPO])
+    return result
+
+
+def test_adapter_on_a_local_base_is_refused_without_a_hub_id(hub, local_base_push, base_dir):
+    from hf_lisa.errors import UsageError
+
+    result = local_base_push
+    assert result["recorded"] == str(base_dir)  # what training recorded: a folder nobody else has
+    assert result["refused_status"] == 2
+    err = result["refused_err"]
+    assert "--base_model namespace/name" in err and repr(str(base_dir)) in err and "Nothing was uploaded" in err
+    assert result["requests_after_refusal"] == 0 and result["repo_after_refusal"] is False
+    for what in ("api_dir", "api_model"):  # push_to_hub refuses the folder and the PeftModel alike
+        assert isinstance(result[what], UsageError) and "base_model='namespace/name'" in str(result[what]), what
+    # with the Hub id: one commit, and the uploaded config names it
+    assert result["pushed_status"] == 0
+    assert len(hub.commits("alice/local-base")) == 2
+    files = hub.files("alice/local-base")
+    assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == BASE_REPO
+    assert "base_model: lisa-org/tiny-llama" in files["README.md"].decode()
+
+
+@pytest.mark.slow  # loads the pushed adapter in a fresh python process
+def test_adapter_pushed_with_its_hub_base_loads_from_the_hub(hub, local_base_push, trained, work):
+    assert local_base_push["pushed_status"] == 0
+    out = work / "local_base_logits.json"
+    code = ("import json, sys, torch, hf_lisa; model = hf_lisa.from_pretrained('alice/local-base').eval()\n"
+            "with torch.no_grad(): logits = model(torch.tensor(json.loads(sys.argv[1]))).logits\n"
+            "json.dump(logits.tolist(), open(sys.argv[2], 'w'))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(INPUT_IDS), str(out)],
+                          env=subprocess_env(hub, work), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert close(json.loads(out.read_text()), trained["logits"], atol=1e-6)
+
+
+def test_train_push_to_hub_of_an_adapter_on_a_local_base_is_refused_before_training(base_dir, tmp_path):
+    from hf_lisa.errors import UsageError
+    from hf_lisa.train import parse_args
+
+    argv = ["--method", "lisa-adapter", "--model_name_or_path", str(base_dir), "--output_dir", str(tmp_path / "out"),
+            "--push_to_hub", "true", "--hub_model_id", "alice/x", "--report_to", "none"]
+    with pytest.raises(UsageError, match=r"--push_to_hub: .*local folder .*--base_model_id namespace/name"):
+        parse_args(argv)
+    assert not (tmp_path / "out").exists()
+    parse_args(argv + ["--base_model_id", BASE_REPO])  # the Hub id given: accepted
+    parse_args(argv + ["--push_mode", "merged"])  # merged weights need no base to load

@@ -249,6 +249,7 @@ def test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle(tiny, tmp_pa
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
         summary = main(_common(tiny, tmp_path / "lora", "lora", "--push_to_hub", "true",
                                "--hub_model_id", "alice/tiny-lora", "--hub_token", "hf_write_token",
+                               "--base_model_id", "alice/tiny-base",
                                "--push_mode", "adapter", "--eval_generation_samples", "0"))
         files = server.files("alice/tiny-lora")
     finally:

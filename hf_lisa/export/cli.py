@@ -1,7 +1,8 @@
 """``hf-lisa export {lora,gguf,merged}``: the command-line front of :mod:`hf_lisa.export`.
 
 Failures propagate to :func:`hf_lisa.cli.main`, which prints one message and exits 2 for a usage error (a path, a
-value, an adapter that cannot be exported, with the reason) and 1 for a failure while running. Nothing is left
+value, an adapter that cannot be exported, with the reason) and 1 for a failure while running (e.g. a LoRA export
+that would lose more than ``--max_error``). Nothing is left
 half-written: every export is staged beside its target and renamed into place when complete.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from .common import DEFAULT_CHECK_PROMPTS, DEFAULT_MAX_ERROR  # plain numbers: common imports no torch
 
 EXPORT_DESCRIPTION = (
     "Export a LISA model for serving: a PEFT LoRA adapter (vLLM, TGI, plain PEFT), a GGUF file (llama.cpp, ollama) "
@@ -36,14 +39,19 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "lora", help="a LISA adapter as a PEFT LoRA adapter (exact for sparsity 0, truncated SVD otherwise)",
         description="Write a LISA adapter as a PEFT LoRA adapter. Sparsity 0: an exact copy (renamed weights, same "
         "scaling). Sparse modules: a rank-k LoRA from the truncated SVD of s·M⊙(BA), the relative Frobenius error of "
-        "each reported. Layer interpolation is refused: it scales the residual stream, which no LoRA can express.",
+        f"each reported; above --max_error (default {DEFAULT_MAX_ERROR:g}) the export is refused (exit 1, nothing "
+        "written) unless --accept_error is given. Layer interpolation is refused: it scales the residual stream, which "
+        "no LoRA can express.",
     )
     lora.add_argument("adapter_dir", help="a saved LISA adapter (adapter_config.json + adapter_model.safetensors)")
     lora.add_argument("out_dir", help="the LoRA adapter folder to write")
     lora.add_argument("--rank", type=int, default=None,
                       help="LoRA rank of the sparse modules' SVD (default: the adapter's r); dense modules are copied")
     lora.add_argument("--max_error", "--max-error", dest="max_error", type=float, default=None,
-                      help="refuse (write nothing) when a module's relative Frobenius error exceeds this")
+                      help="refuse (exit 1, write nothing) when a module's relative Frobenius error exceeds this "
+                      f"(default {DEFAULT_MAX_ERROR:g}; a dense adapter is exact, error 0)")
+    lora.add_argument("--accept_error", "--accept-error", dest="accept_error", action="store_true",
+                      help="export a sparse adapter whatever its truncated SVD loses (the error is still reported)")
     lora.add_argument("--skip_logit_check", "--skip-logit-check", dest="skip_logit_check", action="store_true",
                       help="do not load the base model to compare the LISA and LoRA logits")
     _common(lora, "OUT_DIR")
@@ -51,7 +59,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     gguf = kinds.add_parser(
         "gguf", help="a model or adapter (merged first) as a GGUF file for llama.cpp / ollama",
         description="Merge an adapter if needed and write a GGUF file (llama, mistral, qwen2) with tokenizer "
-        "metadata. --verify_prompts N reloads it with transformers' GGUF loader and compares greedy generations.",
+        "metadata, then reload it with transformers' GGUF loader and print how many greedy generations on "
+        f"--verify_prompts N (default {DEFAULT_CHECK_PROMPTS}) held-out prompts equal the source model's.",
     )
     gguf.add_argument("source", help="an adapter folder, a full model folder (e.g. `hf-lisa demo` output) or a Hub id")
     gguf.add_argument("out_file", help="the .gguf file to write")
@@ -63,9 +72,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     gguf.add_argument("--tokenizer_pre", "--tokenizer-pre", dest="tokenizer_pre", default=None,
                       help="llama.cpp's pre-tokenizer name (tokenizer.ggml.pre), e.g. llama-bpe, qwen2")
     gguf.add_argument("--name", default=None, help="general.name in the file (default: the source folder's name)")
-    gguf.add_argument("--verify_prompts", "--verify-prompts", dest="verify_prompts", type=int, default=0,
-                      help="reload the file with transformers and compare greedy generations on this many held-out "
-                      "demo prompts (default 0: no check)")
+    gguf.add_argument("--verify_prompts", "--verify-prompts", dest="verify_prompts", type=int,
+                      default=DEFAULT_CHECK_PROMPTS,
+                      help="reload the file with transformers and compare greedy generations with the source model on "
+                      f"this many held-out demo prompts, and print the figures (default {DEFAULT_CHECK_PROMPTS}; 0: "
+                      "no check)")
     _common(gguf, "OUT_FILE")
 
     merged = kinds.add_parser(
@@ -89,8 +100,8 @@ def export_command(args: argparse.Namespace) -> int:
         from .lora import export_lora
 
         report = export_lora(args.adapter_dir, args.out_dir, rank=args.rank, max_error=args.max_error,
-                             check_logits=not args.skip_logit_check, base_model=args.base_model,
-                             overwrite=args.overwrite)
+                             accept_error=args.accept_error, check_logits=not args.skip_logit_check,
+                             base_model=args.base_model, overwrite=args.overwrite)
     elif args.export_kind == "gguf":
         from .gguf import export_gguf
 

@@ -1,4 +1,10 @@
-"""What the three exports share: outputs written whole or not at all, the source model merged, the check inputs."""
+"""What the three exports share: outputs written whole or not at all, the source model merged, the check inputs.
+
+Outputs are staged in a private hidden sibling (``tempfile``'s 0o700 folder / 0o600 file) and get, before the rename
+into place, the modes of any file the user writes: ``0o666 & ~umask`` for files, ``0o777 & ~umask`` for folders
+(:func:`apply_umask`). Sources are read as :mod:`hf_lisa.hub.staging` reads them: a symbolic link that leads out of
+the source folder is never followed (a warning names it; a weight or config file behind one is refused).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,53 @@ logger = logging.getLogger(__name__)
 
 #: how many of the demo task's held-out prompts the checks run by default
 DEFAULT_CHECK_PROMPTS = 8
+#: ``export lora`` refuses a sparse adapter whose worst module's relative Frobenius error exceeds this, unless told
+DEFAULT_MAX_ERROR = 0.05
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Permissions and links
+# ----------------------------------------------------------------------------------------------------------------------
+def current_umask() -> int:
+    """The process's umask: read from ``/proc/self/status`` on Linux, else set and put back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def apply_umask(path: str) -> None:
+    """Give ``path`` (a file, or a folder and everything in it) the modes of a file the user writes: ``0o666 & ~umask``
+    for files, ``0o777 & ~umask`` for folders. Links are left alone."""
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    if not os.path.isdir(path):
+        os.chmod(path, file_mode)
+        return
+    for root, dirs, files in os.walk(path):
+        for names, mode in ((dirs, dir_mode), (files, file_mode)):
+            for name in names:
+                if not os.path.islink(os.path.join(root, name)):
+                    os.chmod(os.path.join(root, name), mode)
+    os.chmod(path, dir_mode)
+
+
+def source_links(source: Optional[str]) -> list[str]:
+    """The links of the folder ``source`` that lead out of it, ``"name -> target"``, each named in a warning and never
+    followed; ``[]`` for a Hub id.
+
+    Raises:
+        UsageError: a weight or config file of ``source`` is such a link.
+    """
+    from ..hub.staging import _scan_links
+
+    return _scan_links(source) if source and os.path.isdir(source) else []
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -68,7 +121,8 @@ def check_output_path(
 @contextmanager
 def staged_directory(out_dir: str) -> Iterator[str]:
     """A hidden sibling folder of ``out_dir`` to write into; renamed to ``out_dir`` when the block completes (an
-    existing ``out_dir`` is replaced only then), removed when it raises. A failure never leaves half an export."""
+    existing ``out_dir`` is replaced only then, and the modes follow the umask), removed when it raises. A failure
+    never leaves half an export."""
     from ..train.output_dir import STAGING_PREFIX, fsync_tree  # the training outputs' staging name and flush
 
     out_dir = os.path.abspath(out_dir)
@@ -77,6 +131,7 @@ def staged_directory(out_dir: str) -> Iterator[str]:
     staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.path.basename(out_dir)}-", dir=parent)
     try:
         yield staging
+        apply_umask(staging)
         fsync_tree(staging)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}old-{os.path.basename(out_dir)}-", dir=parent)
@@ -97,8 +152,8 @@ def staged_directory(out_dir: str) -> Iterator[str]:
 
 @contextmanager
 def staged_file(out_file: str) -> Iterator[str]:
-    """A hidden sibling path of ``out_file`` (same suffix) to write to; renamed to ``out_file`` when the block
-    completes, removed when it raises."""
+    """A hidden sibling path of ``out_file`` (same suffix) to write to; renamed to ``out_file`` (its mode following
+    the umask) when the block completes, removed when it raises."""
     from ..train.output_dir import STAGING_PREFIX
 
     out_file = os.path.abspath(out_file)
@@ -109,6 +164,7 @@ def staged_file(out_file: str) -> Iterator[str]:
     os.close(descriptor)
     try:
         yield staging
+        apply_umask(staging)
         with open(staging, "rb") as f:
             os.fsync(f.fileno())
         os.replace(staging, out_file)
@@ -187,8 +243,11 @@ def load_merged_model(source: str, base_model: Optional[str] = None, dtype=None)
 
 
 def load_tokenizer(*sources: Optional[str]):
-    """The first tokenizer that loads from ``sources`` (folders or Hub ids), or ``None``."""
+    """The first tokenizer that loads from ``sources`` (folders or Hub ids), or ``None``. A folder whose tokenizer
+    files include a link out of it is passed over."""
     from transformers import AutoTokenizer
+
+    from ..hub.staging import TOKENIZER_FILES, _leaves
 
     for source in sources:
         if not source:
@@ -196,6 +255,9 @@ def load_tokenizer(*sources: Optional[str]):
         if os.path.isdir(source) and not any(
             os.path.isfile(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
         ):
+            continue
+        if os.path.isdir(source) and any(_leaves(source, os.path.join(source, name)) for name in TOKENIZER_FILES):
+            logger.info("No tokenizer from %s: its tokenizer files include a link out of it.", source)
             continue
         try:
             return AutoTokenizer.from_pretrained(source)

@@ -28,6 +28,7 @@ from .common import (
     load_merged_model,
     prompt_ids,
     require_gguf,
+    source_links,
     sources_of,
     staged_file,
 )
@@ -64,11 +65,15 @@ class GgufExportReport:
         v = self.verification
         if v:
             lines.append(
-                f"reloaded with transformers' GGUF loader: greedy generations identical on {v['identical']}/"
-                f"{v['prompts']} held-out prompts ({v['max_new_tokens']} new tokens), token agreement "
-                f"{v['token_agreement']:.1%}; max |weight difference| {v['max_weight_diff']:.3g}; GGUF tokenizer "
-                f"encodes {v['tokenizer_identical']}/{v['prompts']} prompts identically"
+                f"verification (the file reloaded with transformers' GGUF loader, against the source model): "
+                f"{v['prompts']} held-out demo prompts, {v['max_new_tokens']} greedy tokens each: {v['identical']}/"
+                f"{v['prompts']} generations identical, {v['token_agreement']:.1%} of the greedy tokens equal to the "
+                f"source model's (up to the first divergence); max |weight difference| {v['max_weight_diff']:.3g}; "
+                f"the file's tokenizer encodes {v['tokenizer_identical']}/{v['prompts']} prompts identically"
             )
+        else:
+            lines.append(f"verification: none (verify_prompts 0); --verify_prompts {DEFAULT_CHECK_PROMPTS} reloads the "
+                         "file and compares its greedy generations with the source model's")
         return "\n".join(lines)
 
 
@@ -287,7 +292,8 @@ def export_gguf(
         tokenizer_pre: llama.cpp's pre-tokenizer name, when writing from ``tokenizer.json``.
         name: ``general.name`` in the file (default: the model's name).
         verify_prompts: reload the file with transformers' GGUF loader and compare greedy generations with the merged
-            model on this many of the demo task's held-out prompts (0: no check).
+            model on this many of the demo task's held-out prompts (0: no check; ``hf-lisa export gguf`` checks 8
+            unless given ``--verify_prompts 0``). The report's :meth:`~GgufExportReport.format` states the figures.
         overwrite: replace an existing ``out_file``.
     """
     require_gguf()
@@ -296,14 +302,17 @@ def export_gguf(
     if isinstance(verify_prompts, bool) or not isinstance(verify_prompts, int) or verify_prompts < 0:
         raise UsageError(f"verify_prompts={verify_prompts!r} is invalid; allowed: an integer >= 0.")
     check_output_path(out_file, sources_of(source, base_model), overwrite, "OUT_FILE", is_file=True)
+    skipped = source_links(source)  # refuses weights behind a link out of the folder; names the others
     model, tokenizer = load_merged_model(source, base_model)
     check_supported(model.config)  # before anything is written
+    if verify_prompts and tokenizer is None:
+        raise UsageError("verify_prompts needs the model's tokenizer to encode the prompts; none was found. Pass "
+                         "--verify_prompts 0 (verify_prompts=0) to export without the check.")
     with staged_file(out_file) as staging:
         report = write_gguf(model, tokenizer, staging, gguf_type, name=name or os.path.basename(
             os.path.normpath(source)), tokenizer_from=tokenizer_from, tokenizer_pre=tokenizer_pre)
+        report.warnings += [f"skipped {link}: a symbolic link out of the source folder" for link in skipped]
         if verify_prompts:
-            if tokenizer is None:
-                raise UsageError("verify_prompts needs the model's tokenizer to encode the prompts; none was found.")
             report.verification = verify_gguf(staging, model, tokenizer, verify_prompts)
     report.out_file = os.path.abspath(out_file)
     return report

@@ -6,8 +6,10 @@
   unchanged. The export is exact.
 - **ρ > 0**: ``ΔW = s · M ⊙ (B A)`` is not low-rank in general. Each sparse module's ``ΔW`` is replaced by its best
   rank-``k`` approximation (truncated SVD, Eckart–Young), split evenly (``√Σ``) between ``B`` and ``A``. The relative
-  Frobenius error ``‖ΔW − ΔW_k‖_F / ‖ΔW‖_F`` of every module is reported; ``max_error`` refuses an export above it.
-  Dense modules of a mixed adapter (``sparsity_pattern={...: 0.0}``) are still copied exactly.
+  Frobenius error ``‖ΔW − ΔW_k‖_F / ‖ΔW‖_F`` of every module is reported, and the export is refused (a
+  :class:`~hf_lisa.errors.RunError`, nothing written) when the worst module's exceeds ``max_error`` (default
+  :data:`~hf_lisa.export.common.DEFAULT_MAX_ERROR`, 0.05), unless ``accept_error=True``: a higher ``rank`` lowers
+  it. Dense modules of a mixed adapter (``sparsity_pattern={...: 0.0}``) are still copied exactly.
 - **Layer interpolation** is refused: α_l and β_l scale and shift the residual stream (``h = α·f(h) + β``); a LoRA
   adds ``x ΔWᵀ`` to single linear layers and cannot express that.
 """
@@ -18,22 +20,23 @@ import dataclasses
 import logging
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ..errors import UsageError
+from ..errors import RunError, UsageError
 from ..tuner import masks as M
 from ..tuner.config import LisaConfig
 from .common import (
+    DEFAULT_MAX_ERROR,
     check_inputs,
     check_output_path,
     load_tokenizer,
     logits,
     max_logit_difference,
     read_adapter,
+    source_links,
     sources_of,
     staged_directory,
     write_json,
@@ -73,6 +76,7 @@ class LoraExportReport:
     modules: list[ModuleExport] = field(default_factory=list)
     max_logit_diff: Optional[float] = None
     logit_inputs: Optional[str] = None
+    skipped_links: list[str] = field(default_factory=list)  # "name -> target": links out of the adapter folder
 
     @property
     def max_relative_error(self) -> float:
@@ -93,6 +97,7 @@ class LoraExportReport:
         lines.append(f"LoRA export: {kind}")
         if self.max_logit_diff is not None:
             lines.append(f"max |logit difference| LISA vs LoRA: {self.max_logit_diff:.3g} ({self.logit_inputs})")
+        lines += [f"skipped link (leads out of the adapter folder): {link}" for link in self.skipped_links]
         if self.out_dir:
             lines.append(f"written to {self.out_dir}")
         return "\n".join(lines)
@@ -309,6 +314,7 @@ def export_lora(
     *,
     rank: Optional[int] = None,
     max_error: Optional[float] = None,
+    accept_error: bool = False,
     check_logits: bool = True,
     base_model: Optional[str] = None,
     overwrite: bool = False,
@@ -324,39 +330,47 @@ def export_lora(
         adapter_dir: a saved LISA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
         out_dir: the new LoRA adapter folder; written whole or not at all.
         rank: LoRA rank of the sparse modules' SVD (default: the adapter's ``r``); dense modules are copied.
-        max_error: refuse (nothing written) when a module's relative Frobenius error exceeds it.
+        max_error: the largest relative Frobenius error a module may have (default ``DEFAULT_MAX_ERROR``, 0.05);
+            above it the export is refused and nothing is written. A dense (ρ = 0) export is exact (error 0).
+        accept_error: export whatever the error (it is still reported).
         check_logits: load the base model and compare the LISA and LoRA adapters' logits (the report's
             ``max_logit_diff``); an exact export that does not reproduce them within 1e-5 is an error.
         base_model: load this base for the check instead of the adapter config's ``base_model_name_or_path``.
         overwrite: replace a non-empty ``out_dir`` (only once the new export is complete).
 
     Raises:
-        UsageError: layer interpolation (with the reason), a non-LISA adapter, ``max_error`` exceeded, a bad path.
+        UsageError: layer interpolation (with the reason), a non-LISA adapter, a bad path or option.
+        RunError: the truncated SVD loses more than ``max_error`` (the message names the error, the threshold, and
+            the two ways out: a higher ``--rank`` or ``--accept_error``).
     """
     if max_error is not None and not (isinstance(max_error, (int, float)) and max_error >= 0):
         raise UsageError(f"max_error={max_error!r} is invalid; allowed: a number >= 0 (relative Frobenius error).")
+    threshold = DEFAULT_MAX_ERROR if max_error is None else max_error
     check_output_path(out_dir, sources_of(adapter_dir, base_model), overwrite, "OUT_DIR")
+    skipped = source_links(adapter_dir)  # refuses weights behind a link out of the folder; names the others
     adapter_config, state_dict = read_adapter(adapter_dir)
     lora_config, tensors, modules = convert_lisa_to_lora(adapter_config, state_dict, rank)
     report = LoraExportReport(out_dir=None, exact=all(m.method == "copied" for m in modules), rank=lora_config.r,
-                              modules=modules)
-    if max_error is not None and report.max_relative_error > max_error:
+                              modules=modules, skipped_links=skipped)
+    if not accept_error and report.max_relative_error > threshold:
         worst = sorted(modules, key=lambda m: -m.relative_error)[:3]
-        raise UsageError(
-            f"max_error={max_error:g} exceeded: relative Frobenius error {report.max_relative_error:.4g} at rank "
-            f"{report.rank} (worst: " + ", ".join(f"{m.module} {m.relative_error:.4g}" for m in worst)
-            + "). Nothing was written; raise --rank or --max_error."
+        source = "--max_error" if max_error is not None else f"the default --max_error {DEFAULT_MAX_ERROR:g}"
+        raise RunError(
+            f"export lora refused: the rank-{report.rank} LoRA loses too much of the sparse adapter. Max relative "
+            f"Frobenius error {report.max_relative_error:.4g} exceeds max_error={threshold:g} ({source}); worst: "
+            + ", ".join(f"{m.module} {m.relative_error:.4g}" for m in worst)
+            + ". Nothing was written. Raise --rank (rank=; the error falls to 0 at the modules' full rank) or accept "
+            "the error with --accept_error (accept_error=True) or a higher --max_error."
         )
     from safetensors.torch import save_file
 
-    from ..hub.staging import TOKENIZER_FILES
+    from ..hub.staging import TOKENIZER_FILES, _copy_inside
 
     with staged_directory(out_dir) as staging:
         lora_config.save_pretrained(staging)
         save_file(tensors, os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
         for name in sorted(TOKENIZER_FILES):
-            if os.path.isfile(os.path.join(adapter_dir, name)):
-                shutil.copy2(os.path.join(adapter_dir, name), os.path.join(staging, name))
+            _copy_inside(adapter_dir, name, staging)  # never through a link out of the adapter folder
         if check_logits:
             report.max_logit_diff, report.logit_inputs = _logit_check(adapter_dir, staging, base_model)
             if report.exact and report.max_logit_diff > EXACT_LOGIT_TOLERANCE:

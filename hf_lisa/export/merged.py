@@ -2,13 +2,14 @@
 
 The merge is the one ``hf-lisa push --mode merged`` uploads (:mod:`hf_lisa.hub.staging`, from disk, through the
 tuner's ``merge_and_unload(safe_merge=True)``, which refuses layer interpolation), written to a folder instead of a
-Hub repo, then checked: the merged model's logits against the unmerged adapter's.
+Hub repo, then checked: the merged model's logits against the unmerged adapter's. As for the push, nothing is read
+through a symbolic link that leads out of the source folder: such a link is named in the report and not copied.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from .common import (
@@ -34,6 +35,7 @@ class MergedExportReport:
     files: list[str]
     max_logit_diff: Optional[float] = None
     logit_inputs: Optional[str] = None
+    skipped_links: list[str] = field(default_factory=list)  # "name -> target": links out of the source, not copied
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +45,7 @@ class MergedExportReport:
         lines = [f"merged export ({what}): {self.out_dir} ({', '.join(self.files)})"]
         if self.max_logit_diff is not None:
             lines.append(f"max |logit difference| source vs merged: {self.max_logit_diff:.3g} ({self.logit_inputs})")
+        lines += [f"skipped link (leads out of the source folder): {link}" for link in self.skipped_links]
         return "\n".join(lines)
 
 
@@ -89,19 +92,20 @@ def export_merged(
 
     Raises:
         ValueError: layer interpolation (no merge can express it), or a source that is neither kind.
+        UsageError: a weight or config file of ``source`` is a symbolic link out of it (other such links are named
+            in the report's ``skipped_links`` and not copied).
     """
-    from ..hub.staging import _stage_directory
-    from ..hub.summary import TrainingSummary
+    from ..hub.staging import _stage_directory, summary_of_dir
 
     check_output_path(out_dir, sources_of(source, base_model), overwrite, "OUT_DIR")
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source {source!r} is not a directory (an hf-lisa train output or adapter folder).")
     with staged_directory(out_dir) as staging:
         staged = _stage_directory(source, "merged", staging, None, max_shard_size, base_model,
-                                  TrainingSummary.from_dir(source))
+                                  summary_of_dir(source))
         report = MergedExportReport(out_dir=os.path.abspath(out_dir),
                                     source_kind="adapter" if staged.adapter_config is not None else "full",
-                                    files=sorted(os.listdir(staging)))
+                                    files=sorted(os.listdir(staging)), skipped_links=staged.skipped_links)
         if check_logits:
             report.max_logit_diff, report.logit_inputs = _parity(source, staging, base_model)
             if report.max_logit_diff > MERGED_LOGIT_TOLERANCE:

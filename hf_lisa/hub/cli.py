@@ -36,7 +36,8 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="Write token. Prefer HF_TOKEN or `hf auth login`: a token on the command line can end "
                         "up in your shell history. Never printed.")
     parser.add_argument("--base_model", "--base-model", dest="base_model", default=None,
-                        help="Hub id of the base model, when training used a local copy.")
+                        help="Hub id of the base model, when training used a local copy (recorded in the pushed "
+                        "adapter_config.json; an adapter on a local base is refused without it).")
     parser.add_argument("--max_shard_size", "--max-shard-size", dest="max_shard_size", default="5GB",
                         help="Largest safetensors shard in merged mode (default 5GB).")
     parser.add_argument("--max_retries", "--max-retries", dest="max_retries", type=int, default=3,

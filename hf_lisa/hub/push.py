@@ -18,15 +18,18 @@ import time
 from typing import Iterator, Optional, Union
 
 from .card import _method_of, render_model_card
+from ..errors import UsageError
 from .staging import (
     PUSH_MODES,
     README_NAME,
     HubPushError,
     _collect_files,
+    _looks_local,
     _point_adapter_config_at_hub,
     _resolve_hub_base_model,
     _stage,
     _validate_staged,
+    local_base_refusal,
 )
 from .summary import TrainingSummary
 
@@ -204,6 +207,26 @@ def _check_push_args(repo_id: str, mode: Optional[str], max_retries: int, retry_
         raise ValueError(f"max_retries={max_retries} and retry_base_wait={retry_base_wait} must be >= 0.")
 
 
+def check_push_base(model_args, lisa_args) -> None:
+    """``hf-lisa train --push_to_hub`` of an adapter whose base model is a local folder needs ``--base_model_id``:
+    refused when the arguments are checked, before training, as the push itself would refuse it after training.
+
+    Raises:
+        UsageError: naming the folder and ``--base_model_id``.
+    """
+    from ..methods import get_method
+    from ..models import is_default_model
+
+    adapter = get_method(lisa_args.method).is_adapter
+    if (lisa_args.push_mode or ("adapter" if adapter else "merged")) != "adapter":
+        return
+    path = model_args.model_name_or_path
+    base = model_args.base_model_id or (None if path is None or is_default_model(path) else path)
+    if base and _looks_local(base):
+        raise UsageError(f"--push_to_hub: {local_base_refusal(base, '--base_model_id namespace/name')} Or push "
+                         "merged weights: --push_mode merged. Nothing was trained.")
+
+
 def _stage_for_hub(model_or_dir, mode: Optional[str], folder: str, tokenizer, max_shard_size: Union[int, str],
                    base_model: Optional[str], training_summary, card_data: Optional[dict]):
     """Stage the weights in ``folder`` and resolve the base model's Hub id: ``(staged, hub_base)``."""
@@ -273,7 +296,8 @@ def push_to_hub(
     Everything is built in a temporary folder and checked first, then uploaded through ``huggingface_hub``
     (``preupload_lfs_files``, whose ``http_backoff`` retries transient errors) and committed by a single
     ``create_commit``: a failure leaves the repo as it was. The commit is retried on transient errors, without ever
-    committing twice. Pickle files (``*.bin``, ``*.pt``, ``training_args.bin``, …) are never uploaded.
+    committing twice. Pickle files (``*.bin``, ``*.pt``, ``training_args.bin``, …) are never uploaded, nor anything
+    behind a symbolic link that leads out of the output directory (a warning names each such link).
 
     Args:
         model_or_dir: a ``peft.PeftModel``, a ``transformers.PreTrainedModel`` (full-parameter LISA), or a training
@@ -287,7 +311,8 @@ def push_to_hub(
         token: a write token; defaults to ``HF_TOKEN`` or the saved login. Never printed or logged.
         card_data: metadata overrides for the card, e.g. ``{"language": "en", "license": "mit"}``.
         base_model: Hub id of the base model, for the card and for the uploaded adapter config when training
-            recorded a local path.
+            recorded a local path. An adapter whose base is a local folder is refused without it (unless the
+            training summary or ``card_data`` names the Hub id), since nobody could load it from the Hub.
         tokenizer: a tokenizer to upload with the model.
         training_summary: the training summary. A [`TrainingSummary`] is used as given (a directory's
             ``training_summary.json`` is then not read); a dict is laid over the directory's file, if any.
@@ -305,6 +330,8 @@ def push_to_hub(
 
     Raises:
         HubPushError: the Hub refused or failed the push (the message names the step and the HTTP status).
+        UsageError: (a ``ValueError``) before any upload: an adapter whose base model is a local folder without a
+            known Hub id, or a weight or config file that is a symbolic link out of the output directory.
         ValueError: invalid arguments, or an adapter that cannot be merged.
 
     Example:

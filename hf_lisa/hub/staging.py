@@ -1,4 +1,15 @@
-"""Stage what a push uploads: adapter or merged weights, tokenizer files, the loss plot; refuse pickle, half folders."""
+"""Stage what a push uploads: adapter or merged weights, tokenizer files, the loss plot; refuse pickle, half folders.
+
+Symbolic links: a link inside the folder being pushed (or exported: :mod:`hf_lisa.export` stages through here) whose
+target stays inside that folder is followed like the file it points to. A link that leads out of the folder (or
+nowhere) is never followed: it is not read, copied or uploaded, and a warning names the link and its target
+(:func:`_scan_links`). When such a link stands for a file the model is loaded from (``adapter_model.safetensors``,
+``config.json``, weight shards), the push or export is refused with a :class:`~hf_lisa.errors.UsageError` naming it.
+
+An adapter is pushed only with a Hub id for its base model: when its ``base_model_name_or_path`` is a local folder
+and no Hub id is known (``base_model=``, ``card_data["base_model"]``, ``training_summary.json``'s ``base_model``), the
+push is refused before anything is uploaded, since nobody could load the pushed adapter.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from ..errors import UsageError
 from .load import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_PICKLE_NAME,
@@ -20,7 +32,7 @@ from .load import (
     _auto_class_for_config,
     from_pretrained,
 )
-from .summary import TrainingSummary, jsonable
+from .summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +103,7 @@ class _Staged:
     summary: TrainingSummary = field(default_factory=TrainingSummary)
     loss_plot: Optional[str] = None
     source_base: Optional[str] = None  # base_model_name_or_path as recorded by training (maybe a local path)
+    skipped_links: list[str] = field(default_factory=list)  # "name -> target": links out of the source, not followed
 
 
 def _is_pickle(path: str) -> bool:
@@ -120,6 +133,60 @@ def _write_json(path: str, data: dict) -> None:
         f.write("\n")
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Symbolic links: never followed out of the folder being pushed or exported
+# ----------------------------------------------------------------------------------------------------------------------
+def _is_model_file(name: str) -> bool:
+    """Whether transformers or PEFT may load the top-level file ``name`` as weights or config."""
+    return name in MERGED_FILES or name in ADAPTER_FILES or (
+        name.startswith(("model", "pytorch_model", "adapter_model")) and name.endswith((".safetensors", ".bin", ".json")))
+
+
+def _leaves(src: str, path: str) -> Optional[str]:
+    """Where ``path`` leads when it (or a folder on its way) is a link out of ``src``; ``None`` while inside."""
+    root, real = os.path.realpath(src), os.path.realpath(path)
+    if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+        return None
+    return os.readlink(path) if os.path.islink(path) else real
+
+
+def _scan_links(src: str) -> list[str]:
+    """Every link under ``src`` that leads out of it, as ``"name -> target"``, each named in a warning; none is
+    followed. A link standing for a model file (weights, config) is refused instead, naming it.
+
+    Raises:
+        UsageError: a weight or config file of ``src`` is a link out of it.
+    """
+    skipped = []
+    for root, dirs, files in os.walk(src):  # links to folders are listed, never entered
+        for name in sorted(dirs + files):
+            path = os.path.join(root, name)
+            target = _leaves(src, path) if os.path.islink(path) else None
+            if target is None:
+                continue
+            rel = os.path.relpath(path, src)
+            if root == src and _is_model_file(name):
+                raise UsageError(
+                    f"{rel} in {src!r} is a symbolic link to {target!r}, outside that folder: hf-lisa never reads "
+                    "weights or configs through a link that leaves the folder it pushes or exports. Copy the file "
+                    "into the folder (e.g. `cp --remove-destination TARGET LINK`) if it belongs there."
+                )
+            logger.warning("Skipping %s -> %s: a symbolic link out of %s is never uploaded or copied.", rel, target,
+                           src)
+            skipped.append(f"{rel} -> {target}")
+    return skipped
+
+
+def _copy_inside(src: str, rel: str, folder: str) -> bool:
+    """Copy ``src/rel`` to ``folder/rel`` when it is a file that stays inside ``src`` (links in it followed)."""
+    path = os.path.join(src, rel)
+    if not os.path.isfile(path) or _leaves(src, path) is not None:
+        return False
+    os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
+    shutil.copy2(path, os.path.join(folder, rel))
+    return True
+
+
 def _resolve_mode(mode: Optional[str], kind: str, what: str) -> str:
     if mode is None:
         return "adapter" if kind == "adapter" else "merged"
@@ -145,14 +212,15 @@ def _check_mergeable(peft_model) -> None:
 
 
 def _copy_tokenizer_files(src: str, folder: str) -> list[str]:
-    copied = []
-    for name in sorted(os.listdir(src)):
-        if name in TOKENIZER_FILES and os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(folder, name))
-            copied.append(name)
+    """Copy the tokenizer files of ``src`` (and ``additional_chat_templates/``) that stay inside it."""
+    copied = [name for name in sorted(os.listdir(src)) if name in TOKENIZER_FILES and _copy_inside(src, name, folder)]
     templates = os.path.join(src, "additional_chat_templates")
-    if os.path.isdir(templates):
-        shutil.copytree(templates, os.path.join(folder, "additional_chat_templates"), dirs_exist_ok=True)
+    if os.path.isdir(templates) and _leaves(src, templates) is None:
+        for root, _, names in os.walk(templates):
+            for name in sorted(names):
+                rel = os.path.relpath(os.path.join(root, name), src)
+                if _copy_inside(src, rel, folder):
+                    copied.append(rel.replace(os.sep, "/"))
     return copied
 
 
@@ -167,13 +235,14 @@ def _find_loss_plot(src: str, summary: TrainingSummary) -> Optional[str]:
     if not name.lower().endswith(IMAGE_SUFFIXES) or os.path.isabs(name) or ".." in name.split("/"):
         logger.warning("Ignoring loss plot %r: expected an image file inside the output directory.", name)
         return None
-    return name
+    return None if _leaves(src, path) is not None else name  # a link out of src: _scan_links named it
 
 
 def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_shard_size, base_model,
                      summary: TrainingSummary) -> _Staged:
     if not os.path.isdir(src):
         raise FileNotFoundError(f"output directory {src!r} does not exist.")
+    skipped_links = _scan_links(src)  # before any file of src is read: refuses weights behind a link out of src
     adapter_config = _read_json(os.path.join(src, ADAPTER_CONFIG_NAME))
     model_config = _read_json(os.path.join(src, MODEL_CONFIG_NAME))
     if adapter_config is None and model_config is None:
@@ -184,7 +253,7 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
     kind = "adapter" if adapter_config is not None else "full"
     mode = _resolve_mode(mode, kind, f"{src!r}")
     staged = _Staged(folder=folder, mode=mode, adapter_config=adapter_config, model_config=model_config,
-                     summary=summary)
+                     summary=summary, skipped_links=skipped_links)
     if adapter_config is not None:
         staged.source_base = adapter_config.get("base_model_name_or_path")
 
@@ -197,7 +266,7 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
                 )
             raise FileNotFoundError(f"{src!r} has {ADAPTER_CONFIG_NAME} but no {ADAPTER_SAFETENSORS_NAME}.")
         for name in ADAPTER_FILES:
-            shutil.copy2(os.path.join(src, name), os.path.join(folder, name))
+            _copy_inside(src, name, folder)
     elif kind == "adapter":
         # merge from disk: one copy of the weights in memory, and the tuner's own merge (which refuses interpolation)
         override = base_model if _looks_local(staged.source_base) and not os.path.exists(staged.source_base) else None
@@ -224,8 +293,7 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
         _copy_tokenizer_files(src, folder)
     staged.loss_plot = _find_loss_plot(src, summary)
     if staged.loss_plot:
-        os.makedirs(os.path.dirname(os.path.join(folder, staged.loss_plot)), exist_ok=True)
-        shutil.copy2(os.path.join(src, staged.loss_plot), os.path.join(folder, staged.loss_plot))
+        _copy_inside(src, staged.loss_plot, folder)
     return staged
 
 
@@ -271,12 +339,20 @@ def _stage_full_model(model, mode: Optional[str], folder: str, tokenizer, max_sh
     return staged
 
 
+def summary_of_dir(src: str) -> TrainingSummary:
+    """``training_summary.json`` of ``src``; an empty summary when there is none, or when it is a link out of ``src``
+    (:func:`_scan_links` names it)."""
+    if _leaves(src, os.path.join(src, TRAINING_SUMMARY_NAME)) is not None:
+        return TrainingSummary()
+    return TrainingSummary.from_dir(src)
+
+
 def _summary_for(model_or_dir, summary: Optional[Union[TrainingSummary, dict]]) -> TrainingSummary:
     """The summary of a push: an object as given; a dict over the directory's ``training_summary.json``, if any."""
     if isinstance(summary, TrainingSummary):
         return summary
     if isinstance(model_or_dir, (str, os.PathLike)) and os.path.isdir(model_or_dir):
-        return TrainingSummary.from_dict({**TrainingSummary.from_dir(model_or_dir).to_dict(), **(summary or {})})
+        return TrainingSummary.from_dict({**summary_of_dir(os.fspath(model_or_dir)).to_dict(), **(summary or {})})
     return TrainingSummary.from_dict(summary)
 
 
@@ -298,30 +374,42 @@ def _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, su
 
 
 def _resolve_hub_base_model(*candidates: Optional[str]) -> Optional[str]:
-    """The first candidate that is a Hub repo id; local paths are skipped (the Hub's validator rejects them)."""
+    """The first candidate that is a Hub repo id; local paths are skipped (the Hub's validator rejects them), except
+    the embedded demo model's folder, which stands for its Hub id."""
+    from ..models import DEFAULT_MODEL_ID, is_default_model
+
     for name in candidates:
         if name and not _looks_local(name):
             return name
+        if name and is_default_model(name):
+            return DEFAULT_MODEL_ID
     return None
 
 
+def local_base_refusal(path: str, how: str) -> str:
+    """Why an adapter whose base is the local folder ``path`` is not pushed, and ``how`` to name its Hub id."""
+    return (f"the adapter's base model is the local folder {path!r} and no Hub id is known for it: the pushed "
+            "adapter_config.json would name a folder nobody else has, so loading the adapter from the Hub would fail. "
+            f"Pass the base model's Hub id with {how}; it is recorded in the pushed adapter_config.json.")
+
+
 def _point_adapter_config_at_hub(staged: _Staged, hub_base: Optional[str]) -> None:
-    """Make the uploaded adapter_config.json name the Hub base model, so that others can load it."""
+    """Make the uploaded adapter_config.json name the Hub base model, so that others can load it.
+
+    Raises:
+        UsageError: the config names a local folder and no Hub id is known (nothing is uploaded).
+    """
     path = os.path.join(staged.folder, ADAPTER_CONFIG_NAME)
     config = _read_json(path)
     recorded = config.get("base_model_name_or_path")
     if _looks_local(recorded):
-        if hub_base:
-            logger.info("adapter_config.json: base_model_name_or_path %r -> %r (Hub id).", recorded, hub_base)
-            config["base_model_name_or_path"] = hub_base
-            _write_json(path, config)
-            staged.adapter_config = config
-        else:
-            logger.warning(
-                "The adapter's base_model_name_or_path is the local path %r and no Hub id is known: others will "
-                "need hf_lisa.from_pretrained(repo, base_model=...). Pass base_model='namespace/name' to fix it.",
-                recorded,
-            )
+        if not hub_base:
+            raise UsageError(local_base_refusal(recorded, "--base_model namespace/name (hf-lisa push) or "
+                                                "base_model='namespace/name' (push_to_hub)") + " Nothing was uploaded.")
+        logger.info("adapter_config.json: base_model_name_or_path %r -> %r (Hub id).", recorded, hub_base)
+        config["base_model_name_or_path"] = hub_base
+        _write_json(path, config)
+        staged.adapter_config = config
     elif hub_base and recorded and recorded != hub_base:
         logger.warning("base_model=%r differs from the adapter config's base_model_name_or_path %r; the card uses "
                        "the former, loaders the latter.", hub_base, recorded)

@@ -483,6 +483,8 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
             bool(training_args.hub_model_id),
             "--push_to_hub needs --hub_model_id 'namespace/name' (the repo the model goes to).",
         )
+        from ..hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
+        check_push_base(model_args, lisa_args)
     if data_args.train_file is None and data_args.validation_file is not None:
         raise UsageError("--validation_file needs --train_file.")
     if data_args.eval_generation_samples is not None:
