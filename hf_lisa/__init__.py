@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ._lazy import lazy_attributes
+
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time these resolve lazily in __getattr__
@@ -44,20 +46,7 @@ _SUBMODULES = frozenset({
 })
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, _SUBMODULES)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

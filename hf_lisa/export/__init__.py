@@ -14,7 +14,9 @@ Modules: :mod:`.common` (staged outputs, sources, check inputs), :mod:`.lora`, :
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 if TYPE_CHECKING:  # at run time these resolve on first use (``__getattr__``): `hf-lisa export --help` loads no torch
     from .gguf import GGUF_TYPES, GgufExportReport, export_gguf, write_gguf
@@ -33,20 +35,7 @@ _LAZY = {
 _SUBMODULES = frozenset({"cli", "common", "gguf", "gguf_tokenizer", "lora", "merged"})
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, _SUBMODULES)
 
 
 __all__ = [

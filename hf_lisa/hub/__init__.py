@@ -20,7 +20,9 @@ card), :mod:`.push` (the commit), :mod:`.load` (``from_pretrained``, ``explain_m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 from ..errors import MISSING_IMPORT_HINT
 
@@ -43,20 +45,7 @@ _LAZY = {
 _SUBMODULES = frozenset({"card", "cli", "load", "push", "staging", "summary"})
 
 
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, _SUBMODULES)
 
 
 __all__ = [
