@@ -36,6 +36,8 @@ from typing import Optional, Sequence
 from .errors import WHILE_RUNNING, RunError, Terminated, UsageError
 
 COMMANDS = ("train", "demo", "push", "export", "config-reference")
+#: ``hf-lisa train --help``'s text, generated from the parser (``python tests/test_option_names.py --write``)
+TRAIN_HELP = "train_help.txt"
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 LISA_CONFIG_BEGIN, LISA_CONFIG_END = "<!-- lisa-config-reference:begin -->", "<!-- lisa-config-reference:end -->"
 DOC_FILES = ("docs/training.md",)
@@ -165,7 +167,23 @@ def _refuse_unknown_flags(rest: Sequence[str]) -> None:
                          "`hf-lisa config-reference` for the full list.")
 
 
+def _static_help(rest: Sequence[str]) -> bool:
+    """Print ``hf-lisa train --help`` from the text generated with :mod:`hf_lisa.option_names` (no torch, transformers
+    or PEFT to import); ``False`` when ``rest`` does not ask for help or the text does not apply (another
+    transformers version: the full parser prints it)."""
+    from .option_names import _applies
+
+    if not any(token in ("-h", "--help") for token in rest) or not _applies():
+        return False
+    from importlib.resources import files
+
+    print(files("hf_lisa").joinpath(TRAIN_HELP).read_text(), end="")
+    return True
+
+
 def _train(args: argparse.Namespace) -> int:
+    if _static_help(args.rest):
+        return 0
     _refuse_unknown_flags(args.rest)
     from .train import main as train_main
 

@@ -45,14 +45,14 @@ DEMO_DEFAULTS: dict[str, Any] = {
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the demo: ``hf-lisa train`` with :data:`DEMO_DEFAULTS` as the defaults, so that any option given in
     ``argv`` (or a config file first in it) wins. Returns the exit code: 0 when exact match improved."""
-    from .train import parse_args, run
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):  # before the imports: help answers at once
         print(__doc__)
         print("defaults: " + " ".join(f"--{k} {v}" for k, v in DEMO_DEFAULTS.items()))
         print("Every `hf-lisa train` option is accepted (`hf-lisa train --help`).")
         return 0
+    from .train import parse_args, run
+
     started = time.time()
     summary = run(*parse_args(argv, defaults=DEMO_DEFAULTS))
     metrics = summary["metrics"]

@@ -68,6 +68,47 @@ def test_a_mistyped_flag_is_refused_without_importing_torch():
         "'--lisa_interval_steps'?). Run `hf-lisa config-reference` for the full list.")
 
 
+HELP = MODULE.parent / "train_help.txt"
+
+
+def parser_help() -> str:
+    """``hf-lisa train --help`` as the full parser prints it, wrapped for 100 columns."""
+    import os
+
+    from hf_lisa.train.arguments import build_parser
+
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        return build_parser().format_help()
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+def test_the_static_help_is_the_parsers():
+    assert HELP.read_text() == parser_help(), "out of date: run python tests/test_option_names.py --write"
+
+
+@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+def test_train_help_answers_without_importing_torch():
+    code = (
+        "import sys\n"
+        "from hf_lisa import cli\n"
+        "status = cli.main(['train', '--help'])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'datasets') if m in sys.modules)\n"
+        "print(status, heavy, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr[-2000:]
+    assert result.stdout == HELP.read_text() and "--lisa_activated_layers" in result.stdout
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     MODULE.write_text(render())
-    print(f"wrote {MODULE}")
+    HELP.write_text(parser_help())
+    print(f"wrote {MODULE} and {HELP}")

@@ -276,6 +276,8 @@ def test_built_wheel_installs_one_namespace(tmp_path):
         "import hf_lisa, hf_lisa.trainer_callbacks, hf_lisa.model_cards\n"
         f"assert hf_lisa.__file__.startswith({str(target)!r}), hf_lisa.__file__\n"
         "assert hf_lisa.model_cards.template_path().endswith('model_card.md.j2')\n"
+        "import importlib.resources\n"
+        "assert importlib.resources.files('hf_lisa').joinpath('train_help.txt').is_file()\n"
         "from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback\n"
         "import importlib.util\n"
         "assert importlib.util.find_spec('trainer_callbacks') is None\n"
