@@ -79,7 +79,6 @@ def configure_trainer(trainer, lisa_callbacks: Sequence) -> None:
 #: Private (transformers 5.x), wrapped per instance because no callback event comes between the last backward and the
 #: clipping; ``tests/test_private_trainer_api.py`` fails when transformers renames one.
 GRADIENT_READERS = ("_clip_grad_norm", "_get_grad_norm")
-_GRADIENT_READERS = GRADIENT_READERS
 
 
 def complete_gradients_before_clipping(trainer) -> None:
@@ -98,7 +97,7 @@ def complete_gradients_before_clipping(trainer) -> None:
     """
     if getattr(trainer, "_hf_lisa_gradients_hooked", False):
         return
-    for name in _GRADIENT_READERS:
+    for name in GRADIENT_READERS:
         original = getattr(trainer, name, None)
         if original is None:  # another transformers version: on_pre_optimizer_step remains
             continue

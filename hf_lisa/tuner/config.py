@@ -8,7 +8,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 from peft.config import PeftConfig
 
-from ..methods import ADAPTER_ACTIVATED_LAYERS, FULL_LISA_ACTIVATED_LAYERS  # noqa: F401 (γ's defaults, per method)
+from ..methods import ADAPTER_ACTIVATED_LAYERS
 from .masks import SPARSITY_STRUCTURES
 from .peft_type import PEFT_TYPE_LISA
 
