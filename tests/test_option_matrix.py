@@ -64,6 +64,8 @@ NON_DEFAULT: dict[str, list[str]] = {
     "cpu_allocator": ["lean"],
     "chunked_loss": ["false"],
     "optim_8bit_embeddings": ["true", "--optim", "adamw_bnb_8bit"],  # with the 8-bit optimizer it needs
+    "stage": ["dpo"],
+    "dpo_beta": ["0.5", "--stage", "dpo"],
 }
 OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
 

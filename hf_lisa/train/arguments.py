@@ -21,6 +21,7 @@ from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
 from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
 from .bounds import attach_negative_values, check_bounds, check_deepspeed_file
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
+from .data_arguments import DataArguments, check_data_arguments
 from ..optim.memory import check_memory_options, memory_fields
 from .options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS, check_method_options, resolve_method_defaults, uses
 from .quantization import check_quantization, quantization_fields
@@ -82,111 +83,6 @@ ModelArguments = dataclasses.make_dataclass(
 )
 
 
-@dataclass
-class DataArguments:
-    """Where the training data comes from and how it is turned into tokens."""
-
-    dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "Hub dataset name (needs network). Uses its train and validation splits."}
-    )
-    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Configuration of the Hub dataset."})
-    train_file: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "Local training file: .jsonl, .json, .csv, .parquet or .txt. With neither train_file nor "
-            "dataset_name, the bundled arithmetic task is used."
-        },
-    )
-    validation_file: Optional[str] = field(
-        default=None, metadata={"help": "Local validation file, same format as train_file."}
-    )
-    validation_split_percentage: float = field(
-        default=5.0,
-        metadata={"help": "Percent of train held out for validation when there is no validation file or split."},
-    )
-    max_seq_length: int = field(
-        default=512, metadata={"help": "Longest tokenised row; see --overlength for longer rows."}
-    )
-    data_format: str = field(
-        default="auto",
-        metadata={
-            "help": "Row format: 'prompt_completion', 'messages' (chat), 'text', or 'auto' (from the column names)."
-        },
-    )
-    prompt_column: str = field(default="prompt", metadata={"help": "Prompt column (prompt/completion format)."})
-    completion_column: str = field(
-        default="completion", metadata={"help": "Completion column (prompt/completion format)."}
-    )
-    messages_column: str = field(default="messages", metadata={"help": "Column of chat messages (chat format)."})
-    text_column: str = field(default="text", metadata={"help": "Text column (plain-text format)."})
-    completion_only_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Compute the loss on completion / assistant tokens only. False trains on the prompt tokens too."
-        },
-    )
-    chat_template: str = field(
-        default="auto",
-        metadata={
-            "help": "Render prompt/completion rows with the tokenizer's chat template: 'auto' (when it has one), "
-            "'always' or 'never'. Chat (messages) rows always need one."
-        },
-    )
-    overlength: str = field(
-        default="skip",
-        metadata={
-            "help": "Rows longer than max_seq_length: 'skip' (counted and logged), 'truncate', or 'error'."
-        },
-    )
-    on_bad_row: str = field(
-        default="skip",
-        metadata={
-            "help": "Rows with a missing, empty or non-string field (an empty assistant turn, list content, an "
-            "unknown role, ...): 'skip' (counted by reason, logged as a table with their lines, and recorded in "
-            "training_summary.json) or 'error' (stop at the first, naming its file and line)."
-        },
-    )
-    max_train_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep only the first N training rows (for quick runs)."}
-    )
-    max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "Keep only the first N validation rows."}
-    )
-    preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "Processes for tokenisation (datasets.map num_proc)."}
-    )
-    overwrite_cache: bool = field(
-        default=False, metadata={"help": "Re-tokenise instead of reusing the datasets cache."}
-    )
-    eval_generation_samples: Optional[int] = field(
-        default=None,
-        metadata={
-            "help": "Validation prompts scored by generation exact match before and after training (0 disables). "
-            "Default: 64 for the bundled task, 0 otherwise."
-        },
-    )
-    generation_max_new_tokens: int = field(
-        default=32, metadata={"help": "Generation length for the exact-match evaluation (greedy)."}
-    )
-    answer_pattern: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "Regex whose first group is the answer compared by exact match, e.g. '####\\s*(-?\\d+)'. Default: "
-            "the whole stripped completion ('####' answers for the bundled task)."
-        },
-    )
-    answer_lenient: bool = field(
-        default=True,
-        metadata={
-            "help": "When answer_pattern does not match a generation, compare its last number instead (so a model "
-            "that has not learnt the answer format is still scored on its answer)."
-        },
-    )
-    demo_train_samples: int = field(
-        default=2000, metadata={"help": "Rows generated for the bundled task's train split."}
-    )
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # LisaArguments: the method, its LisaConfig settings (generated from LisaConfig's fields) and the run-level options
 # ----------------------------------------------------------------------------------------------------------------------
@@ -197,6 +93,16 @@ class _MethodArguments:
     method: str = field(
         default=DEFAULT_METHOD,
         metadata={"help": ", ".join(f"{m.name} ({m.help})" for m in METHODS.values()) + "."},
+    )
+    stage: str = field(
+        default="sft",
+        metadata={
+            "help": "Training objective: 'sft' (next-token loss on the completions) or 'dpo' (direct preference "
+            "optimisation through TRL's DPOTrainer, on prompt/chosen/rejected rows)."
+        },
+    )
+    dpo_beta: float = field(
+        default=0.1, metadata={"help": "--stage dpo: the KL strength beta of the DPO loss (TRL's DPOConfig.beta)."}
     )
     lisa_always_trainable: list[str] = field(
         default_factory=lambda: list(DEFAULT_ALWAYS_TRAINABLE),
@@ -485,6 +391,8 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         )
         from ..hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
         check_push_base(model_args, lisa_args)
+    need(lisa_args.stage == "sft", f"--stage={lisa_args.stage!r} is not supported yet; allowed: sft.")
+    check_data_arguments(data_args)  # hf_lisa.train.data_arguments: formats, sources, templates, packing
     if data_args.train_file is None and data_args.validation_file is not None:
         raise UsageError("--validation_file needs --train_file.")
     if data_args.eval_generation_samples is not None:

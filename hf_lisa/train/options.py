@@ -56,7 +56,7 @@ OPTION_METHODS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
         ("layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
          "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "push_mode", "cpu_allocator",
-         "optim_8bit_embeddings", "chunked_loss"),
+         "optim_8bit_embeddings", "chunked_loss", "stage", "dpo_beta"),
         method_names(_every),
     ),
     # AdamW stepped in the backward pass: the methods that train base weights (hf_lisa.optim.memory)
