@@ -1,15 +1,17 @@
-"""Benchmark LISA against LoRA, full fine-tuning and the common naive LISA callback, side by side in one run.
+"""Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers, side by side in one run.
 
 Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
 ``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.train.data``), each in its own
-process so that peak memory is per method. A measuring callback records, per optimizer step: wall time, tokens,
-optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss; eval loss at fixed
-steps; and, on the bundled task, generation exact match at the end. The results go to stdout (markdown) and to
-``benchmarks/results/<date>-<machine>.md`` with a JSON of every raw number and two PNG plots.
+process so that peak memory is per method. The peers BAdam and GaLore come from their own packages and run in a plain
+``transformers.Trainer`` as their docs say (``benchmarks/peers.py``). A measuring callback records, per optimizer step:
+wall time, tokens, optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss;
+eval loss at fixed steps; and, on the bundled task, generation exact match at the end. The results go to stdout
+(markdown) and to ``benchmarks/results/<date>-<machine>.md`` with a JSON of every raw number and two PNG plots.
 
 Usage::
 
     python benchmarks/compare.py --preset cpu-small            # what `make bench` runs (~20 min on 2 CPU cores)
+    python benchmarks/compare.py --preset cpu-small --eval-every 20 --methods peers   # `make bench-peers`
     python benchmarks/compare.py --preset gpu                  # one GPU, bf16 autocast
     python benchmarks/compare.py --preset cpu-small --methods lisa,lora --steps 10 --model ./my-model --data train.jsonl
 
@@ -43,7 +45,7 @@ if str(REPO_ROOT) not in sys.path:  # `python benchmarks/compare.py` puts benchm
 
 
 from benchmarks.measure import current_rss_bytes, make_recorder, schedule_reader, state_kind, withheld_reader  # noqa: E402
-from benchmarks.presets import DEFAULT_METHODS, METHODS, PRESETS, Preset  # noqa: E402
+from benchmarks.presets import METHOD_SETS, METHODS, PRESETS, Preset  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -58,8 +60,11 @@ def _bundled_task_files(n_train: int = 2000) -> tuple[str, str]:
     return cached_dataset_files(n_train)
 
 
-def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False) -> dict:
-    """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data."""
+def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False,
+               extra_callbacks: Sequence = ()) -> dict:
+    """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data.
+
+    ``extra_callbacks`` go to the Trainer after the method's own (tests use them to watch the weights move)."""
     wall_start = time.perf_counter()
     rss_start = current_rss_bytes()
     load_start = _load_average()
@@ -69,6 +74,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     from transformers import TrainingArguments, set_seed
 
     from benchmarks.naive_lisa import NaiveLisaCallback
+    from benchmarks.peers import PEER_PACKAGES, package_version
     from benchmarks.theory import ACTIVATION_FORMULA, parameter_inventory
     from hf_lisa.train import (
         DataArguments,
@@ -127,12 +133,18 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         **{**spec.lisa_overrides, **dict(preset.lisa_extra)},
     )
     model, callbacks = apply_method(model, lisa_args, seed=preset.seed)
+    lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
     if spec.naive:
         callbacks = callbacks + [
             NaiveLisaCallback(n_layers=preset.lisa_activated_layers, interval_steps=preset.lisa_interval_steps,
                               seed=preset.seed)
         ]
     inventory = parameter_inventory(model)
+    peer = None
+    if spec.peer:  # BAdam / GaLore from their own packages, in a plain transformers.Trainer (benchmarks/peers.py)
+        from benchmarks.peers import setup_peer
+
+        peer = setup_peer(spec.peer, model, inventory, preset, lr, device_name)
     sparse = bool(spec.lisa_overrides.get("sparsity"))
     # the packed sparse masks are part of what the adapter must hold: 1 bit per weight element
     mask_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "lisa_mask" in n)
@@ -145,7 +157,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         # a sparse adapter materialises M ⊙ (B A) per adapted linear: the block's linear weights once more
         "sparse_delta_elements": sum(p.numel() for p in inventory.block_base[0] if p.dim() == 2) if sparse else 0,
         "interpolation": bool(spec.lisa_overrides.get("layer_interpolation")),
-        "head_trains": spec.family == "full-parameter" and kind != "lisa-blocks",
+        "head_trains": peer.head_trains if peer else spec.family == "full-parameter" and kind != "lisa-blocks",
     }
     probe_step = min(preset.timing_warmup_steps + 1, preset.steps)
     # bitsandbytes' 8-bit AdamW: its own state layout; the Trainer keeps nn.Embedding weights (a tied E/H) at 32 bits
@@ -158,23 +170,28 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         state_bytes = functools.partial(adamw8bit_state_bytes, fp32=fp32)
         state_formula = "bitsandbytes 8-bit AdamW" + ("" if lisa_args.optim_8bit_embeddings else
                                                       ", E/H state at 32 bits")
-    recorder = make_recorder(inventory, kind, model.config, schedule_reader(callbacks, inventory),
+    recorder = make_recorder(inventory, kind, model.config, schedule_reader(callbacks, inventory, peer),
                               withheld_reader(callbacks),
-                              device, estimate_kwargs, probe_step, state_bytes=state_bytes)
+                              device, estimate_kwargs, probe_step, state_bytes=state_bytes, peer=peer)
+    if peer:
+        from benchmarks.peers import peer_trainer_class
 
-    base = LisaTrainer
+        base, state_formula = peer_trainer_class(), peer.state_formula
+        trainer_kwargs = {"optimizers": peer.optimizers}
+    else:
+        base = LisaTrainer
+        trainer_kwargs = {"optim_step_in_backward": lisa_args.optim_step_in_backward,
+                          "optim_8bit_embeddings": lisa_args.optim_8bit_embeddings}
 
     class MeasuredTrainer(base):
-        """The training entry point's Trainer, counting the tokens of every micro-batch (and, in one step, the
-        bytes autograd saves)."""
+        """The method's Trainer (``hf-lisa train``'s; a plain ``transformers.Trainer`` for a peer), counting the
+        tokens of every micro-batch (and, in one step, the bytes autograd saves)."""
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             recorder.count_batch(inputs)
             with recorder.saved_tensors_probe(model, self.state.global_step):
                 return super().training_step(model, inputs, num_items_in_batch)
 
-
-    lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
     args = TrainingArguments(**{**dict(
         output_dir=os.path.join(work_dir, method),
         max_steps=preset.steps,
@@ -197,7 +214,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         use_cpu=device_name == "cpu",
         bf16=preset.bf16,
         dataloader_num_workers=0,
-    ), **spec.training_overrides})
+    ), **spec.training_overrides, **(peer.training_overrides if peer else {})})
     trainer = MeasuredTrainer(
         model=model,
         args=args,
@@ -205,11 +222,10 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         eval_dataset=tokenized["validation"],
         processing_class=tokenizer,
         data_collator=data_lib.data_collator(tokenizer),
-        callbacks=[recorder] + callbacks,
-        optim_step_in_backward=lisa_args.optim_step_in_backward,
-        optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
+        callbacks=[recorder] + callbacks + list(extra_callbacks),
         chunked_loss=preset.chunked_loss,
         cpu_allocator=preset.cpu_allocator,
+        **trainer_kwargs,
     )
 
     # -- the same generation prompts before (once per run) and after ---------------------------------------------------
@@ -257,12 +273,16 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "train_method": spec.train_method,
             "state_kind": kind,
             "state_formula": state_formula,
-            "optimizer": {"optim": str(getattr(args.optim, "value", args.optim)), "max_grad_norm": args.max_grad_norm,
+            "optimizer": {"optim": ("badam.BlockOptimizer(torch.optim.AdamW)" if spec.peer == "badam"
+                                    else str(getattr(args.optim, "value", args.optim))),
+                          "max_grad_norm": args.max_grad_norm,
                           "step_in_backward": lisa_args.optim_step_in_backward},
+            "peer": ({"package": PEER_PACKAGES[spec.peer], "version": package_version(spec.peer),
+                      "trainer": "transformers.Trainer", "settings": peer.settings} if peer else None),
             "cpu_allocator": {"policy": preset.cpu_allocator, "applied": allocator,
                               "trims": trainer.heap_trim.calls if trainer.heap_trim is not None else 0},
             "chunked_loss": trainer.chunked_loss,
-            "training_overrides": spec.training_overrides,
+            "training_overrides": {**spec.training_overrides, **(peer.training_overrides if peer else {})},
             "learning_rate": lr,
             "ok": True,
             "device": device_name,
@@ -379,13 +399,22 @@ def _preset_dict(preset: Preset) -> dict:
     return data
 
 
-def run_all(preset: Preset, methods: Sequence[str], in_process: bool = False, log=print) -> list[dict]:
-    """Run every method (each in a fresh Python process unless ``in_process``) and return their results in order."""
+def run_all(preset: Preset, methods: Sequence[str], in_process: bool = False, log=print,
+            budget_s: Optional[float] = None) -> list[dict]:
+    """Run every method (each in a fresh Python process unless ``in_process``) and return their results in order.
+
+    With ``budget_s``, a method not started within that many seconds is recorded as not run (``ok`` False)."""
     results = []
     work_dir = tempfile.mkdtemp(prefix="hf-lisa-bench-")
+    begin = time.perf_counter()
     try:
         for index, method in enumerate(methods):
             started = time.perf_counter()
+            if budget_s is not None and started - begin > budget_s:
+                log(f"[bench] {index + 1}/{len(methods)} {method}: not run (--budget-s {budget_s:g} spent)")
+                results.append({"method": method, "ok": False, "in_process": in_process,
+                                "error": f"not run: the time budget (--budget-s {budget_s:g}) was spent"})
+                continue
             log(f"[bench] {index + 1}/{len(methods)} {method} ...")
             first = index == 0
             if in_process:
@@ -475,11 +504,14 @@ def write_outputs(report: dict, output_dir: Path, stem: str) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="benchmarks/compare.py",
-        description="Benchmark LISA against LoRA, full fine-tuning and the naive LISA callback, side by side.",
+        description="Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers (BAdam, "
+        "GaLore), side by side.",
     )
     parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS),
                         help="Base settings (default: cpu-small).")
-    parser.add_argument("--methods", help=f"Comma-separated subset of: {', '.join(DEFAULT_METHODS)}.")
+    parser.add_argument("--methods", help=f"Comma-separated methods among: {', '.join(METHODS)}; or one of "
+                        + ", ".join(f"'{k}' ({','.join(v)})" for k, v in METHOD_SETS.items())
+                        + ". Default: the preset's (= 'default').")
     parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
                         "default: the bundled arithmetic task. 5%% is held out for eval loss.")
@@ -496,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timing-warmup-steps", type=int, dest="timing_warmup_steps",
                         help="First steps left out of the median step time.")
     parser.add_argument("--lr-full-parameter", type=float, dest="lr_full_parameter",
-                        help="Learning rate of full, lisa, lisa-naive.")
+                        help="Learning rate of full, lisa, lisa-naive, badam and galore.")
     parser.add_argument("--lr-adapter", type=float, dest="lr_adapter", help="Learning rate of lora and lisa-adapter*.")
     parser.add_argument("--lisa-activated-layers", type=int, dest="lisa_activated_layers", help="γ.")
     parser.add_argument("--lisa-interval-steps", type=int, dest="lisa_interval_steps", help="K.")
@@ -506,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hf-lisa train's --cpu_allocator for every method (default: the preset's).")
     parser.add_argument("--chunked-loss", dest="chunked_loss", choices=("true", "false"),
                         help="hf-lisa train's --chunked_loss for every method (default: the preset's, true).")
+    parser.add_argument("--budget-s", type=float, dest="budget_s",
+                        help="No method starts after this many seconds; later ones are reported as not run.")
     parser.add_argument("--in-process", action="store_true",
                         help="Run every method in this process (fast start; peak memory is then shared).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")
@@ -522,13 +556,16 @@ def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
     if ns.chunked_loss is not None:
         overrides["chunked_loss"] = ns.chunked_loss == "true"
     preset = preset.updated(**overrides)
-    if ns.methods:
+    if ns.methods in METHOD_SETS:
+        methods = list(METHOD_SETS[ns.methods])
+    elif ns.methods:
         methods = [m.strip() for m in ns.methods.split(",") if m.strip()]
     else:
         methods = list(preset.methods)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(f"--methods: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}.")
+        raise SystemExit(f"--methods: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}, or one of "
+                         f"{', '.join(METHOD_SETS)}.")
     for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
                  "lisa_interval_steps", "lora_r"):
         if getattr(preset, name) < 1:
@@ -544,7 +581,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     preset, methods = resolve_preset(ns)
     started = _dt.datetime.now()
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results = run_all(preset, methods, in_process=ns.in_process, log=log)
+    results = run_all(preset, methods, in_process=ns.in_process, log=log, budget_s=ns.budget_s)
     stem = ns.name or f"{started:%Y-%m-%d}-{machine_slug(results)}"
     report = {
         "date": started.isoformat(timespec="seconds"),

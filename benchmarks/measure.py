@@ -52,6 +52,8 @@ def state_kind(method: str, lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:
     spec = METHODS[method]
     if spec.naive:
         return "lisa-naive"
+    if spec.peer:  # BAdam, GaLore: their own state layouts (benchmarks/peers.py)
+        return spec.peer
     kind = {"full": "full", "lisa": "lisa", "lora": "lora", "dora": "lora",
             "lisa-adapter": "lisa-adapter"}[spec.train_method]
     always = dict(lisa_extra).get("lisa_always_trainable")
@@ -62,13 +64,14 @@ def state_kind(method: str, lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:
 
 def make_recorder(
     inventory, kind: str, config, schedule, withheld, device, estimate_kwargs: dict, probe_step: int,
-    state_bytes=None,
+    state_bytes=None, peer=None,
 ):
     """The measuring callback: per-step time, tokens, optimizer state (measured and from shapes), memory.
 
     ``estimate_kwargs`` go to :func:`benchmarks.theory.activation_bytes`; in step ``probe_step`` the bytes autograd
     saves for the backward pass are measured too (that step is left out of the timing). ``state_bytes`` is the
     optimizer's state bytes for a list of parameters (default: :func:`benchmarks.theory.adamw_state_bytes`).
+    ``peer`` (a :class:`benchmarks.peers.PeerSetup`) measures a peer's optimizer state and gives its formula instead.
     """
     import contextlib
 
@@ -156,12 +159,16 @@ def make_recorder(
             active = schedule()
             self.seen_blocks.update(active)
             trainable = [p for p in inventory.all_params if p.requires_grad]
-            measured = optimizer_state_bytes(optimizer)
-            expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks),
-                                            state_bytes=state_bytes)
-            # sparse LISA adapters: factors still calibrating their mask get no update, hence no state yet
-            expected -= state_bytes(withheld())
-            kinds = block_kinds_for(kind, len(inventory.block_names), active, sparse=estimate_kwargs["sparse"],
+            if peer is not None:
+                measured, expected = peer.measured_state_bytes(optimizer), peer.expected_state(active)
+            else:
+                measured = optimizer_state_bytes(optimizer)
+                expected = expected_state_bytes(inventory, kind, active=active, seen=sorted(self.seen_blocks),
+                                                state_bytes=state_bytes)
+                # sparse LISA adapters: factors still calibrating their mask get no update, hence no state yet
+                expected -= state_bytes(withheld())
+            kinds = block_kinds_for(peer.activation_kind if peer is not None else kind, len(inventory.block_names),
+                                    active, sparse=estimate_kwargs["sparse"],
                                     interpolation=estimate_kwargs["interpolation"])
             estimate = activation_bytes(
                 config, self.padded_tokens, kinds, act_bytes=estimate_kwargs["act_bytes"],
@@ -189,6 +196,7 @@ def make_recorder(
                     "active_blocks": sorted(active),
                     "activation_bytes": estimate,
                     "rss_bytes": current_rss_bytes(),
+                    **(peer.step_extra() if peer is not None else {}),
                 }
             )
             self.tokens = self.padded_tokens = 0
@@ -223,9 +231,14 @@ def withheld_reader(callbacks: list) -> Any:
     return lambda: []
 
 
-def schedule_reader(callbacks: list, inventory) -> Any:
-    """A function returning the indices (in ``inventory.block_names``) of the blocks active right now."""
+def schedule_reader(callbacks: list, inventory, peer=None) -> Any:
+    """A function returning the indices (in ``inventory.block_names``) of the blocks active right now (for a
+    ``peer``, those its last step trained)."""
     from benchmarks.naive_lisa import NaiveLisaCallback
+
+    every = list(range(len(inventory.block_names)))
+    if peer is not None:
+        return lambda: every if peer.schedule() is None else peer.schedule()
 
     for cb in callbacks:
         if isinstance(cb, NaiveLisaCallback):

@@ -28,6 +28,8 @@ class MethodSpec:
         model_overrides: extra ``ModelArguments`` fields, e.g. ``{"load_in_4bit": True}`` for a quantized base.
         training_overrides: ``TrainingArguments`` fields that differ from the preset's, e.g. ``{"optim": ...}``.
         naive: add ``benchmarks.naive_lisa.NaiveLisaCallback`` (requires_grad toggling only).
+        peer: ``"badam"`` or ``"galore"``: another package's method, run in a plain ``transformers.Trainer`` as its
+            docs say (``benchmarks/peers.py``); the model is loaded as for ``full``.
         description: one line for the table.
     """
 
@@ -38,6 +40,7 @@ class MethodSpec:
     model_overrides: dict = field(default_factory=dict)
     training_overrides: dict = field(default_factory=dict)
     naive: bool = False
+    peer: str = ""
     description: str = ""
 
 
@@ -91,6 +94,15 @@ METHODS: dict[str, MethodSpec] = {
             description="lisa-fused with 8-bit AdamW, E/H state included (--optim adamw_bnb_8bit "
             "--optim_8bit_embeddings --optim_step_in_backward; no clipping)",
         ),
+        MethodSpec(
+            "badam", "full", "full-parameter", peer="badam",
+            description="BAdam (badam.BlockOptimizer over AdamW): one block at a time, E+H frozen, switched every "
+            "K steps",
+        ),
+        MethodSpec(
+            "galore", "full", "full-parameter", peer="galore",
+            description="GaLore (galore-torch, optim=galore_adamw): attention/MLP gradients projected to rank r",
+        ),
     )
 }
 
@@ -99,6 +111,15 @@ METHODS: dict[str, MethodSpec] = {
 DEFAULT_METHODS: tuple[str, ...] = (
     "full", "lora", "lisa", "lisa-naive", "lisa-adapter", "lisa-adapter-sparse", "lisa-adapter-interp",
 )
+
+#: what ``make bench-peers`` runs: LISA beside its peers from other packages (BAdam, GaLore) and PEFT's LoRA and DoRA,
+#: in one table with ratios against ``lora`` and ``full`` (issue 26)
+PEER_COMPARISON: tuple[str, ...] = (
+    "full", "lora", "dora", "lisa", "lisa-naive", "lisa-adapter", "badam", "galore",
+)
+
+#: names ``--methods`` accepts for a whole list
+METHOD_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_METHODS, "peers": PEER_COMPARISON}
 
 
 @dataclass(frozen=True)
@@ -118,11 +139,11 @@ class Preset:
         eval_samples: validation rows in the fixed eval set.
         exact_match_samples: validation prompts scored by greedy generation at the end (bundled task only; 0 skips).
         timing_warmup_steps: first steps left out of the median step time.
-        lr_full_parameter: learning rate of full, lisa and lisa-naive.
-        lr_adapter: learning rate of lora and the lisa-adapter variants.
+        lr_full_parameter: learning rate of full, lisa, lisa-naive and the peers badam and galore.
+        lr_adapter: learning rate of lora, dora and the lisa-adapter variants.
         lisa_activated_layers: γ.
-        lisa_interval_steps: K.
-        lora_r: rank of LoRA and of the LISA adapters.
+        lisa_interval_steps: K (also BAdam's ``switch_block_every`` and GaLore's ``update_proj_gap``).
+        lora_r: rank of LoRA, of the LISA adapters and of GaLore's projection.
         lora_alpha: scaling numerator (scale = alpha / r).
         importance_steps: calibration batches of the sparse adapter's importance-based first mask.
         seed: seed of everything (model wrapping, data order, LISA's sampler).

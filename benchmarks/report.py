@@ -170,8 +170,9 @@ def render_markdown(report: dict) -> str:
     elif chunked == {False}:
         lines.append("- **Loss:** transformers' causal-LM loss over the whole vocabulary at once (`--chunked_loss "
                      "false`)")
+    lines += _peer_lines(ok)
     overrides = [f"`{r['method']}` " + ", ".join(f"{k}={v}" for k, v in r["training_overrides"].items())
-                 for r in ok if r.get("training_overrides")]
+                 for r in ok if r.get("training_overrides") and not r.get("peer")]
     if overrides:
         lines.append(f"- **Per-method training settings:** {'; '.join(overrides)}")
     if report.get("in_process"):
@@ -263,6 +264,10 @@ def render_markdown(report: dict) -> str:
         "lisa-naive": "E+H+norm + every block activated so far",
         "lora": "every adapter parameter",
         "lisa-adapter": "interpolation scalars + γ blocks' adapters",
+        "badam": "BAdam: the active block's AdamW state on its fp32 copy, right after its step (E+H frozen; "
+                 "dropped at each switch)",
+        "galore": f"GaLore: moments of the rank-{preset['lora_r']} projected gradients + the projection bases "
+                  "(attention/MLP linears), AdamW moments of the rest; no step tensor",
     }
     rows = []
     for r in ok:
@@ -344,6 +349,19 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _peer_lines(ok: list[dict]) -> list[str]:
+    """One line per peer: its package and version, the Trainer, its settings (``benchmarks/peers.py``)."""
+    lines = []
+    for r in ok:
+        peer = r.get("peer")
+        if not peer:
+            continue
+        settings = ", ".join(f"{k}={v}" for k, v in peer["settings"].items())
+        lines.append(f"- **Peer `{r['method']}`:** {peer['package']} {peer.get('version') or '?'} in a plain "
+                     f"`{peer['trainer']}`, as its docs say: {settings}")
+    return lines
+
+
 def findings(report: dict) -> list[str]:
     """Plain sentences on the headline comparisons, wins and losses alike."""
     ok = {r["method"]: r for r in report["results"] if r.get("ok")}
@@ -366,7 +384,8 @@ def findings(report: dict) -> list[str]:
                      f"fine-tuning's {_mib(full['optimizer_state']['max_bytes'])} MiB; it reaches 100% once every "
                      "block has been sampled")
         out.append(line + ".")
-    for name, ref_name in (("lisa", "lora"), ("lisa", "full"), ("lisa-adapter", "lora"), ("lisa-fused", "lora"),
+    for name, ref_name in (("lisa", "lora"), ("lisa", "full"), ("lisa", "badam"), ("lisa", "galore"),
+                           ("lisa-adapter", "lora"), ("lisa-fused", "lora"),
                            ("lisa-fused", "lisa"), ("lisa-adamw8bit", "lisa"), ("lisa-adamw8bit-eh", "lisa"),
                            ("lisa-fused-8bit", "lora"), ("lisa-fused-8bit", "lisa")):
         a, b = ok.get(name), ok.get(ref_name)
