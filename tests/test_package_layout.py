@@ -129,6 +129,8 @@ NOT_A_METHOD = {
     ("lisa", "hf_lisa.train.outputs"): "the key of the LISA settings in training_summary.json",
     ("lisa", "hf_lisa.demo"): "the key of the LISA settings in training_summary.json",
     ("lisa", "hf_lisa.tuner"): "PEFT's registry name of the LISA peft type",
+    ("full", "hf_lisa.integrations.llamafactory"): "LLaMA-Factory's finetuning_type value (its own vocabulary)",
+    ("lora", "hf_lisa.integrations.llamafactory"): "LLaMA-Factory's default finetuning_type (its own vocabulary)",
 }
 
 
@@ -160,7 +162,8 @@ LAYERS = (
     ("hf_lisa.distributed",),
     ("hf_lisa.trainer_callbacks",),
     ("hf_lisa.hub", "hf_lisa.model_cards"),
-    ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task", "hf_lisa.export"),
+    ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task", "hf_lisa.export", "hf_lisa.generate",
+     "hf_lisa.generate_file", "hf_lisa.chat", "hf_lisa.integrations"),
 )
 
 
@@ -190,7 +193,7 @@ def test_each_module_imports_only_from_its_layer_or_below():
 
 
 SUBPACKAGES = ["hf_lisa.tuner", "hf_lisa.optim", "hf_lisa.scheduler", "hf_lisa.distributed", "hf_lisa.train", "hf_lisa.hub",
-               "hf_lisa.trainer_callbacks", "hf_lisa.cli"]
+               "hf_lisa.trainer_callbacks", "hf_lisa.cli", "hf_lisa.integrations"]
 @pytest.fixture(scope="module")
 def fresh_interpreters():
     """Every fresh-interpreter import check of this module, started at once (each is a cold import of torch,

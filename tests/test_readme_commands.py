@@ -50,6 +50,11 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
         ("tests/test_train_cli.py::test_every_method_trains_saves_and_reloads",),
         "hf_lisa.train.main (what `hf-lisa train` calls) with --method lisa-adapter --sparsity 0.5, 4 steps",
     ),
+    "hf-lisa train --method lisa-adapter --train_file alpaca.jsonl --chat_template chatml --output_dir out "
+    "--max_steps 200": (
+        ("tests/test_formats.py::test_hf_lisa_train_on_an_alpaca_file",),
+        "`hf-lisa train` (hf_lisa.cli.main) on an Alpaca file with --chat_template chatml, a tiny model, 4 steps",
+    ),
     "hf-lisa train --method lisa-adapter --train_file my_data.jsonl --output_dir out --push_to_hub --hub_model_id "
     "me/smollm2-lisa --push_mode adapter": (
         ("tests/test_train_cli.py::test_push_to_hub_goes_through_hf_lisa_hub_and_uploads_no_pickle",),

@@ -72,3 +72,14 @@ def copy_task_rows(n: int, seed: int = 0) -> list[dict]:
         letter = rng.choice("abcdefgh")
         rows.append({"prompt": f"say {letter}", "completion": f"{letter}{letter}{letter}"})
     return rows
+
+
+def encode_pieces(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """The ``input_ids`` and ``labels`` expected for a row written as ``(text, trained)`` pieces: each piece tokenised
+    on its own (as the loss masks are), its labels -100 unless trained."""
+    input_ids, labels = [], []
+    for text, trained in pieces:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        input_ids += ids
+        labels += ids if trained else [-100] * len(ids)
+    return input_ids, labels

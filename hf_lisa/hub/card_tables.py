@@ -186,7 +186,9 @@ def _training_rows(method: str, adapter_config: Optional[dict], summary: Trainin
 
 
 #: the row formats of ``hf-lisa train``, as the card names them
-_FORMAT_TITLES = {"prompt_completion": "prompt/completion", "messages": "chat", "text": "plain text"}
+_FORMAT_TITLES = {"prompt_completion": "prompt/completion", "messages": "chat", "text": "plain text",
+                  "alpaca": "Alpaca", "sharegpt": "ShareGPT",
+                  "preference": "preference (prompt, chosen, rejected)"}
 
 
 def _count(n: Any, what: str = "row") -> str:
@@ -255,8 +257,9 @@ def _data_rows(summary: TrainingSummary, metrics: dict) -> list[tuple[str, str]]
 
 def _evaluation(metrics: dict, kept: dict, val_skipped: int, args: dict) -> str:
     """What the metrics were measured on: rows evaluated, generation samples, before and after training."""
-    measured = [label for key, label in (("eval_loss", "loss"), ("eval_perplexity", "perplexity"),
-                                         ("eval_token_accuracy", "token accuracy")) if key in metrics]
+    names = (("eval_loss", "loss"), ("eval_perplexity", "perplexity"), ("eval_token_accuracy", "token accuracy"),
+             ("eval_rewards/accuracies", "DPO reward accuracy and margin"))
+    measured = [label for key, label in names if key in metrics]
     parts = []
     if measured and "validation" in kept:
         parts.append(f"{', '.join(measured)} on {_count(kept['validation'], 'held-out row')}")

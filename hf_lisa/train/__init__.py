@@ -40,6 +40,8 @@ The package, in the order a run uses it:
   chat messages, plain text);
 * :mod:`.methods`: model loading and the ``--method`` wrapping;
 * :mod:`.trainer`: the ``Trainer`` class (layer-wise learning-rate decay, atomic checkpoints);
+* :mod:`.preference`, :mod:`.dpo`: ``--stage dpo``, preference rows through TRL's ``DPOTrainer`` with the same
+  guarantees;
 * :mod:`.evaluation`: token metrics and generation exact match;
 * :mod:`.outputs`: summary, loss plot, final model (staged, then renamed into place), model card;
 * :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` goes through ``hf_lisa.cli.main`` (one error

@@ -22,6 +22,7 @@ from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
 from .bounds import attach_negative_values, check_bounds, check_deepspeed_file
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from .data_arguments import DataArguments, check_data_arguments
+from .preference import check_stage_options
 from ..optim.memory import check_memory_options, memory_fields
 from .options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS, check_method_options, resolve_method_defaults, uses
 from .quantization import check_quantization, quantization_fields
@@ -391,7 +392,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         )
         from ..hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
         check_push_base(model_args, lisa_args)
-    need(lisa_args.stage == "sft", f"--stage={lisa_args.stage!r} is not supported yet; allowed: sft.")
+    check_stage_options(data_args, lisa_args, training_args)  # hf_lisa.train.preference: what each --stage refuses
     check_data_arguments(data_args)  # hf_lisa.train.data_arguments: formats, sources, templates, packing
     if data_args.train_file is None and data_args.validation_file is not None:
         raise UsageError("--validation_file needs --train_file.")

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 from ..errors import UsageError
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: options that take a YAML list of sources, ``[{path: a.jsonl, weight: 0.7}, b.jsonl]`` (:mod:`.sources`)
+SOURCE_LIST_OPTIONS = ("train_file",)
 
 
 def load_config_file(path: str) -> dict:
@@ -92,13 +94,25 @@ def _scalar(action: argparse.Action, name: str, value: Any, source: str) -> Any:
         raise UsageError(f"{source}: {name}: {value!r} is invalid; --{name} takes {_expected(kind)}.") from None
 
 
+def _source_list(name: str, value: Any, source: str) -> list:
+    """A YAML list of sources, checked as ``--train_file`` checks its value (:func:`.sources.parse_sources`), kept as
+    written (``training_summary.json`` records it so)."""
+    from .sources import parse_sources
+
+    try:
+        parse_sources(value, option=name)
+    except UsageError as err:
+        raise UsageError(f"{source}: {err}") from None
+    return value
+
+
 def typed_file_values(parser: argparse.ArgumentParser, values: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The parser defaults for ``values`` (a config file's, or the demo's), typed as on the command line.
 
     One value for a list option becomes a list of one (``target_modules: q_proj``); a list for a one-value option of
     a numeric or boolean type is refused, and so is a value its type cannot parse. Options of type ``str`` keep the
     file's value as it is: transformers and LISA take mappings or lists there (``lr_scheduler_kwargs``,
-    ``report_to``, ``rank_pattern``).
+    ``report_to``, ``rank_pattern``), and ``train_file`` a list of sources (``SOURCE_LIST_OPTIONS``), checked here.
 
     Raises:
         UsageError: naming ``source``, the option, the value and what the option takes.
@@ -110,6 +124,8 @@ def typed_file_values(parser: argparse.ArgumentParser, values: Mapping[str, Any]
         if action.nargs == "+":
             items = value if isinstance(value, list) else [value]
             typed[name] = [_scalar(action, name, item, source) for item in items]
+        elif name in SOURCE_LIST_OPTIONS and isinstance(value, (list, dict)):
+            typed[name] = _source_list(name, value, source)
         else:
             typed[name] = _scalar(action, name, value, source)
     return typed

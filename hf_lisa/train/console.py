@@ -25,7 +25,8 @@ STEP_KEYS = (("loss", "{:.4f}"), ("grad_norm", "{:.4g}"), ("learning_rate", "{:.
 #: the short names the console uses
 SHORT = {"learning_rate": "lr"}
 #: the evaluation metrics the console shows (the rest: runtime, samples/s, ... go to --report_to only)
-EVAL_KEYS = ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_match")
+EVAL_KEYS = ("eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_exact_match", "eval_rewards/accuracies",
+             "eval_rewards/margins")  # the last two: --stage dpo
 
 
 def _number(value: Any, fmt: str) -> Optional[str]:

@@ -1,12 +1,18 @@
 """Training data: loading local files or Hub datasets, detecting the row format and tokenising with loss masks.
 
-Three row formats are recognised from the column names:
+Five row formats are recognised from the column names (or named with ``--data_format``):
 
 * **prompt/completion** (``prompt`` and ``completion`` columns): the loss covers the completion only (by default).
   With a tokenizer that has a chat template, the prompt becomes a user turn and the completion the assistant's reply.
 * **chat** (a ``messages`` column of ``{"role", "content"}`` lists): rendered with the tokenizer's chat template; the
   loss covers the assistant turns only (by default).
+* **Alpaca** (``instruction``, ``output``, optional ``input``/``system``) and **ShareGPT** (``conversations`` of
+  ``{"from", "value"}`` turns): converted to chat messages (Alpaca without a template: the Stanford Alpaca prompt and
+  completion) by :mod:`.formats`, then tokenised as those.
 * **plain text** (a ``text`` column): the loss covers every token.
+
+``--chat_template`` may name a built-in template or a Jinja file (:mod:`.chat_templates`) that replaces the
+tokenizer's.
 
 Bad data, and what happens to it (also in ``docs/training.md``; the checks live in :mod:`.validation`):
 
@@ -34,11 +40,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .chat_templates import CHAT_TEMPLATE_MODES, install_chat_template
+from .formats import CHAT_FORMATS, CONVERTED_FORMATS, canonical_row, check_row
+from .sources import EXTENSION_TO_BUILDER, builder_for, load_named_dataset  # noqa: F401 (EXTENSION_TO_BUILDER: API)
 from .validation import (
     DATA_FORMATS,
     LINE_COLUMN,
@@ -48,7 +56,6 @@ from .validation import (
     add_locations,
     cap_row,
     check_data,
-    check_row,
     data_columns,
     detect_format,
     location_of,
@@ -63,8 +70,6 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-EXTENSION_TO_BUILDER = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 SKIP_COLUMN = "_hf_lisa_skip"
 SKIP_EXAMPLES = 5  # lines listed per skip reason
 
@@ -90,25 +95,12 @@ class TokenizationReport:
 
 
 # -- loading -----------------------------------------------------------------------------------------------------------
-def _builder_for(path: str, option: str) -> str:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{option}={path!r} does not exist.")
-    if os.path.isdir(path):
-        raise DataError(f"{option}={path!r} is a directory; pass a file ({', '.join(EXTENSION_TO_BUILDER)}).")
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in EXTENSION_TO_BUILDER:
-        raise DataError(
-            f"{option}={path!r} has the unsupported extension {ext!r}; allowed: {', '.join(EXTENSION_TO_BUILDER)}."
-        )
-    if os.path.getsize(path) == 0:
-        raise DataError(f"{option}={path!r} is empty.")
-    return EXTENSION_TO_BUILDER[ext]
-
-
-def _load_file(builder: str, option: str, path: str, cache_dir: str | None, line_numbers: bool):
-    """One local file as a ``Dataset``, checked line by line first (:func:`.validation.scan_file`)."""
+def load_file(path: str, option: str = "train_file", cache_dir: str | None = None, line_numbers: bool = False):
+    """One local file as a ``Dataset``, checked line by line first (:func:`.validation.scan_file`); ``option`` is how
+    messages name it (``train_file='d.jsonl'``)."""
     import datasets
 
+    builder = builder_for(path, option)
     label = f"{option}={path!r}"
     lines = scan_file(path, label, builder)
     options = {"encoding": "utf-8-sig"} if builder == "text" else {}  # a BOM is not text to train on
@@ -130,13 +122,15 @@ def load_raw_datasets(
     seed: int = 42,
     cache_dir: str | None = None,
     line_numbers: bool = False,
+    dataset_split: str = "train",
 ):
     """Load a ``DatasetDict`` with a ``train`` and (when possible) a ``validation`` split.
 
     Local files go through ``datasets``' json/csv/parquet/text builders, each file on its own, after a line-by-line
-    check of its encoding (and, for JSON, of every line); ``dataset_name`` loads a Hub dataset (needs network).
-    Without a validation file or split, ``validation_split_percentage`` percent of train is held out (seeded); 0 means
-    no validation split.
+    check of its encoding (and, for JSON, of every line). ``dataset_name`` is a Hub id (needs network) or a local
+    dataset folder (:func:`.sources.load_named_dataset`): its ``dataset_split`` split trains, its ``validation`` (else
+    ``test``) split validates. Without a validation file or split, ``validation_split_percentage`` percent of train is
+    held out (seeded); 0 means no validation split. Folders of files and weighted mixtures: :mod:`.training_data`.
 
     ``line_numbers=True`` (``hf-lisa train``'s choice) adds the column ``LINE_COLUMN`` (``"_hf_lisa_line"``) to every
     split: the line (JSON Lines, text) or row (csv, parquet, Hub) each row came from, so that the messages of
@@ -145,7 +139,8 @@ def load_raw_datasets(
 
     Raises:
         FileNotFoundError, DataError: for a missing, empty, unreadable or unsupported file (naming the line for a byte
-            that is not UTF-8 or a line that is not a JSON object), or for no data source at all.
+            that is not UTF-8 or a line that is not a JSON object), a dataset that cannot be loaded or has no such
+            split, or for no data source at all.
     """
     import datasets
 
@@ -156,34 +151,19 @@ def load_raw_datasets(
     if dataset_name is not None:
         if train_file is not None:
             raise DataError("Pass either dataset_name or train_file, not both.")
-        raw = datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
-        if not isinstance(raw, datasets.DatasetDict) or "train" not in raw:
-            raise DataError(f"dataset_name={dataset_name!r} has no 'train' split (splits: {list(raw)}).")
-        raw = datasets.DatasetDict(
-            {k: v for k, v in raw.items() if k in ("train", "validation")}
-            | ({"validation": raw["test"]} if "validation" not in raw and "test" in raw else {})
-        )
-        for split, ds in raw.items():
-            if len(ds) == 0:
-                raise DataError(f"dataset_name={dataset_name!r} has no rows in its {split} split.")
-        if line_numbers:
-            raw = datasets.DatasetDict(
-                {split: add_locations(ds, f"dataset_name={dataset_name!r} ({split} split)", "row")
-                 for split, ds in raw.items()}
-            )
+        raw = load_named_dataset(dataset_name, dataset_config_name, dataset_split, cache_dir, line_numbers)
     elif train_file is not None:
-        builder = _builder_for(train_file, "train_file")
+        builder = builder_for(train_file, "train_file")
         files = {"train": ("train_file", train_file)}
         if validation_file is not None:
-            if _builder_for(validation_file, "validation_file") != builder:
+            if builder_for(validation_file, "validation_file") != builder:
                 raise DataError(
                     f"train_file={train_file!r} and validation_file={validation_file!r} must have the same format."
                 )
             files["validation"] = ("validation_file", validation_file)
         # one load per file: a validation file with other columns is reported by check_data, naming both files
         raw = datasets.DatasetDict(
-            {split: _load_file(builder, option, path, cache_dir, line_numbers)
-             for split, (option, path) in files.items()}
+            {split: load_file(path, option, cache_dir, line_numbers) for split, (option, path) in files.items()}
         )
     else:
         raise DataError("No training data: pass train_file (jsonl/json/csv/parquet/txt) or dataset_name.")
@@ -201,10 +181,11 @@ def load_raw_datasets(
 
 # -- tokenisation ------------------------------------------------------------------------------------------------------
 def use_chat_template(tokenizer, mode: str) -> bool:
-    """Whether rows are rendered through the tokenizer's chat template: ``mode`` is ``--chat_template``
-    (``"auto"``: when the tokenizer has one; ``"always"``: refuse a tokenizer without one; ``"never"``)."""
-    if mode not in CHAT_TEMPLATE_MODES:
-        raise DataError(f"chat_template={mode!r} is invalid; allowed: {CHAT_TEMPLATE_MODES}.")
+    """Whether rows are rendered through a chat template: ``mode`` is ``--chat_template`` (``"auto"``: the tokenizer's,
+    when it has one; ``"always"``: refuse a tokenizer without one; ``"never"``; or a built-in name or Jinja file, which
+    replaces ``tokenizer.chat_template`` here, see :mod:`.chat_templates`)."""
+    if install_chat_template(tokenizer, mode):
+        return True
     has = getattr(tokenizer, "chat_template", None) is not None
     if mode == "always" and not has:
         raise DataError(
@@ -277,7 +258,8 @@ def tokenize_row(
 ) -> dict[str, Any]:
     """Tokenise one row into ``input_ids``/``attention_mask``/``labels``; a non-empty ``_hf_lisa_skip`` says why not.
 
-    The row is checked first (:func:`.validation.check_row`); a bad row is skipped, or refused when ``on_bad_row`` is
+    The row is checked first (:func:`.formats.check_row`), and an Alpaca or ShareGPT row converted to chat messages or
+    prompt/completion (:func:`.formats.canonical_row`); a bad row is skipped, or refused when ``on_bad_row`` is
     ``"error"``. A row with more than ``char_limit`` characters is too long before any tokenisation: skipped, refused,
     or cut to ``char_limit`` characters per field (``overlength="truncate"``, which keeps the first tokens the same).
     ``where`` prefixes the row's ``LINE_COLUMN`` in messages (``"train_file='d.jsonl', line"``).
@@ -293,6 +275,8 @@ def tokenize_row(
             )
         out[SKIP_COLUMN] = bad.reason
         return out
+    if data_format in CONVERTED_FORMATS:  # Alpaca, ShareGPT: as chat messages (or Alpaca's prompt without a template)
+        (row, data_format), columns = canonical_row(row, data_format, chat), Columns()
     chars = sum(map(len, row_texts(row, data_format, columns)))
     if char_limit is not None and chars > char_limit:
         if overlength != "truncate":
@@ -300,12 +284,20 @@ def tokenize_row(
                     f"hold (at most {char_limit} characters; the row was not tokenised)")
             return _overlength(out, at, size, max_seq_length, overlength)
         row = cap_row(row, data_format, columns, char_limit)
-    if data_format == "text":
-        segments, reason = [(row[columns.text], True, True), (None, True, False)], None
-    elif data_format == "prompt_completion":
-        segments, reason = _segments_prompt_completion(row, tokenizer, chat, columns)
-    else:
-        segments, reason = _segments_messages(row, tokenizer, columns, train_on_prompt=not completion_only_loss)
+    from jinja2 import TemplateError
+
+    try:
+        if data_format == "text":
+            segments, reason = [(row[columns.text], True, True), (None, True, False)], None
+        elif data_format == "prompt_completion":
+            segments, reason = _segments_prompt_completion(row, tokenizer, chat, columns)
+        else:
+            segments, reason = _segments_messages(row, tokenizer, columns, train_on_prompt=not completion_only_loss)
+    except TemplateError as err:  # the template refused the row (raise_exception: "roles must alternate", ...)
+        if on_bad_row == "error":
+            raise DataError(f"{at}: the chat template refused the row: {err}. Fix the row or the template, or pass "
+                            "--on_bad_row skip to skip such rows.") from None
+        segments, reason = None, "chat template error"
     if reason:
         out[SKIP_COLUMN] = reason
         return out
@@ -352,7 +344,7 @@ def tokenize_datasets(
     """Check (:func:`check_data`, then row by row), tokenise every split with ``datasets.map`` (cached, with a progress
     bar), then drop and count skipped rows.
 
-    ``on_bad_row``: a row with a missing, empty or non-string field (see :func:`.validation.check_row`) is skipped and
+    ``on_bad_row``: a row with a missing, empty or non-string field (see :func:`.formats.check_row`) is skipped and
     counted (``"skip"``) or stops tokenisation with an error naming its file and line (``"error"``). Skips are logged
     as one table per split (reason, rows, first lines).
 
@@ -370,11 +362,16 @@ def tokenize_datasets(
     columns = Columns(prompt_column, completion_column, messages_column, text_column)
     fmt = check_data(splits, max_seq_length, data_format, overlength, on_bad_row, columns)
     chat = use_chat_template(tokenizer, chat_template)
-    if fmt == "messages" and not chat:
+    if fmt in CHAT_FORMATS and not chat:
+        column = messages_column if fmt == "messages" else "conversations"
         raise DataError(
-            f"The data has a '{messages_column}' column (chat format) but the tokenizer has no chat template "
-            f"(or chat_template='never'); set tokenizer.chat_template or convert the data to prompt/completion."
+            f"The data has a '{column}' column (chat format) but the tokenizer has no chat template "
+            f"(or chat_template='never'); pass --chat_template with a built-in name (e.g. chatml) or a Jinja file, "
+            "set tokenizer.chat_template, or convert the data to prompt/completion."
         )
+    if fmt == "text" and chat_template not in CHAT_TEMPLATE_MODES:
+        logger.warning("chat_template=%r does not change how plain-text rows are tokenised; it is saved with the "
+                       "tokenizer (and the model) only.", chat_template)
     report = TokenizationReport(data_format=fmt)
     kwargs = {
         "tokenizer": tokenizer, "data_format": fmt, "max_seq_length": max_seq_length, "chat": chat, "columns": columns,

@@ -53,7 +53,9 @@ class DataArguments:
             "aliases": ["--dataset_format"],
         },
     )
-    prompt_column: str = field(default="prompt", metadata={"help": "Prompt column (prompt/completion format)."})
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "Prompt column (prompt/completion rows, and --stage dpo preference rows)."}
+    )
     completion_column: str = field(
         default="completion", metadata={"help": "Completion column (prompt/completion format)."}
     )
@@ -91,15 +93,19 @@ class DataArguments:
     packing: bool = field(
         default=False,
         metadata={
-            "help": "Pack several short rows into each sequence of up to max_seq_length tokens; attention never "
-            "crosses a row boundary (positions restart at each row) and the loss equals the unpacked loss."
+            "help": "Pack several short training rows into each sequence of up to max_seq_length tokens; attention "
+            "never crosses a row boundary (positions restart at each row) and the loss equals the unpacked loss. "
+            "--per_device_train_batch_size then counts sequences; evaluation rows stay unpacked. Refused for a model "
+            "that would attend across rows (docs/data.md)."
         },
     )
     chosen_column: str = field(
-        default="chosen", metadata={"help": "Preferred response column (--stage dpo preference rows)."}
+        default="chosen",
+        metadata={"help": "Preferred response column (--stage dpo preference rows): strings, or chat messages."},
     )
     rejected_column: str = field(
-        default="rejected", metadata={"help": "Dispreferred response column (--stage dpo preference rows)."}
+        default="rejected",
+        metadata={"help": "Dispreferred response column (--stage dpo preference rows): strings, or chat messages."},
     )
     max_train_samples: Optional[int] = field(
         default=None, metadata={"help": "Keep only the first N training rows (for quick runs)."}
@@ -146,14 +152,8 @@ def check_data_arguments(data_args: DataArguments) -> None:
     """The data options' own checks, each naming the option, the value and what is allowed (``UsageError``); run by
     :func:`hf_lisa.train.arguments.validate_args` before anything loads."""
     from ..errors import UsageError
+    from .formats import check_format_arguments
+    from .sources import check_source_arguments
 
-    # declared ahead of their implementation (issue 25); refused until each takes effect
-    pending = {
-        "packing": data_args.packing,
-        "data_format": data_args.data_format in ("alpaca", "sharegpt"),
-        "dataset_split": data_args.dataset_split != "train",
-        "train_file": data_args.train_file is not None and ("," in data_args.train_file or ":" in data_args.train_file),
-    }
-    for name, used in pending.items():
-        if used:
-            raise UsageError(f"--{name}={getattr(data_args, name)!r} is not supported yet.")
+    check_format_arguments(data_args.data_format, data_args.chat_template)  # formats, template names and files
+    check_source_arguments(data_args)  # --train_file specs and weights, --dataset_name/--dataset_config/--dataset_split

@@ -100,25 +100,32 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Generation-based exact match
 # ----------------------------------------------------------------------------------------------------------------------
-def generation_rows(raw_validation, data_format: str, data_args: DataArguments, limit: int) -> list[dict]:
+def generation_rows(raw_validation, data_format: str, data_args: DataArguments, limit: int,
+                    chat: bool = True) -> list[dict]:
     """``[{"messages": [...] or "prompt": str, "reference": str}]`` for up to ``limit`` validation rows.
 
-    Rows that training would skip (see :func:`hf_lisa.train.validation.check_row`) are skipped here too, so a
-    malformed validation row never reaches generation.
+    Rows that training would skip (see :func:`hf_lisa.train.formats.check_row`) are skipped here too, so a
+    malformed validation row never reaches generation. Alpaca and ShareGPT rows are prompted as training renders them
+    (:func:`hf_lisa.train.formats.canonical_row`; ``chat``: whether a chat template is used): the last assistant turn
+    (Alpaca's output) is the reference.
     """
-    from .validation import Columns, check_row
+    from .formats import CONVERTED_FORMATS, canonical_row, check_row
+    from .validation import Columns
 
-    columns = Columns(data_args.prompt_column, data_args.completion_column, data_args.messages_column,
-                      data_args.text_column)
+    given = Columns(data_args.prompt_column, data_args.completion_column, data_args.messages_column,
+                    data_args.text_column)
     rows = []
     for row in raw_validation:
         if len(rows) >= limit:
             break
-        if check_row(row, data_format, columns) is not None:
+        if check_row(row, data_format, given) is not None:
             continue
-        if data_format == "prompt_completion":
+        fmt, columns = data_format, given
+        if fmt in CONVERTED_FORMATS:
+            (row, fmt), columns = canonical_row(row, fmt, chat), Columns()
+        if fmt == "prompt_completion":
             rows.append({"prompt": row[columns.prompt], "reference": row[columns.completion]})
-        elif data_format == "messages":
+        elif fmt == "messages":
             messages = row[columns.messages]
             last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
             if last is not None:
@@ -205,6 +212,7 @@ def generation_exact_match(
 
 def _metrics_line(metrics: dict, suffix: str) -> str:
     names = [("eval_exact_match", "exact match"), ("eval_loss", "eval loss"), ("eval_perplexity", "perplexity"),
-             ("eval_token_accuracy", "token accuracy")]
+             ("eval_token_accuracy", "token accuracy"), ("eval_rewards/accuracies", "reward accuracy"),
+             ("eval_rewards/margins", "reward margin")]
     parts = [f"{label} {metrics[key + suffix]:.4f}" for key, label in names if key + suffix in metrics]
     return ", ".join(parts)

@@ -30,7 +30,6 @@ from .outputs import (
     _manifest_callback,
     _summary_callback,
     build_training_summary,
-    held_out_rows,
     plot_losses,
     save_final_model,
     staged_final_model,
@@ -38,6 +37,7 @@ from .outputs import (
     write_model_card,
 )
 from .output_dir import check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
+from .preference import DPO, DPO_EVAL_METRICS, SFT
 from .preflight import check_before_loading
 from .run_lock import OutputDirLock
 from .quantization import prepare_quantized_model
@@ -93,7 +93,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
         if finished is not None:
             return finished
         claim_output_dir(training_args, lock)  # a second run into output_dir is refused from here on
-        raw, bundled, held_out = _load_data(model_args, data_args, training_args)
+        raw, bundled, held_out = _load_data(model_args, data_args, training_args, stage=lisa_args.stage)
         job = _Run(model_args, data_args, lisa_args, training_args, raw, bundled, started, held_out)
         job.build()
         try:
@@ -137,13 +137,19 @@ def _finished_checkpoint(training_args) -> Optional[dict]:
             "trained_steps": 0}
 
 
-def _load_data(model_args, data_args, training_args):
-    """``(raw datasets, whether the bundled task is used, rows of train held out for evaluation)``: loaded,
-    subsampled and checked before the model loads."""
+def _load_data(model_args, data_args, training_args, stage: str = SFT):
+    """``(training data, whether the bundled task is used, rows of train held out for evaluation)``: loaded,
+    subsampled and checked before the model loads. The data is a :class:`~hf_lisa.train.training_data.TrainingData`
+    (files, folders, a dataset, weighted mixtures), or for ``--stage dpo`` its one source's ``DatasetDict``."""
     from . import data as data_lib
     from .. import demo_task
+    from .training_data import load_training_data
 
     bundled = data_args.train_file is None and data_args.dataset_name is None
+    if bundled and stage == DPO:
+        from .preference import refuse_bundled_task
+
+        refuse_bundled_task()  # prompt/completion rows: no preference pairs
     if bundled:
         with training_args.main_process_first(desc="writing the bundled task"):
             data_args.train_file, data_args.validation_file = demo_task.cached_dataset_files(
@@ -153,23 +159,21 @@ def _load_data(model_args, data_args, training_args):
             data_args.answer_pattern = r"####\s*(-?\d+)"
         if data_args.eval_generation_samples is None:
             data_args.eval_generation_samples = 64
-    raw = data_lib.load_raw_datasets(
-        train_file=data_args.train_file, validation_file=data_args.validation_file,
-        dataset_name=data_args.dataset_name, dataset_config_name=data_args.dataset_config_name,
-        validation_split_percentage=data_args.validation_split_percentage, seed=training_args.seed,
-        cache_dir=model_args.cache_dir, line_numbers=True,
-    )
-    held_out = held_out_rows(raw)  # before --max_eval_samples: what training never sees
-    if data_args.max_train_samples:
-        raw["train"] = raw["train"].select(range(min(data_args.max_train_samples, len(raw["train"]))))
-    if data_args.max_eval_samples and "validation" in raw:
-        raw["validation"] = raw["validation"].select(range(min(data_args.max_eval_samples, len(raw["validation"]))))
+    # every source read and checked line by line; validation rows held out, --max_*_samples applied
+    raw = load_training_data(data_args, seed=training_args.seed, cache_dir=model_args.cache_dir)
+    held_out = raw.held_out  # before --max_eval_samples: what training never sees
+    if stage == DPO:  # preference rows: their columns, before the model loads (hf_lisa.train.preference)
+        raw = raw.as_raw(f"--stage {DPO}")  # one source's rows (TRL tokenises them)
+        from .preference import check_preference_data
+
+        check_preference_data(raw, data_args)
+        return raw, bundled, held_out
     # options, formats, a validation file against the training file, mixed formats: before the model loads
-    data_lib.check_data(
-        raw, data_args.max_seq_length, data_format=data_args.data_format, overlength=data_args.overlength,
+    raw.check(lambda part: data_lib.check_data(
+        part, data_args.max_seq_length, data_format=data_args.data_format, overlength=data_args.overlength,
         on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
             data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
-    )
+    ))  # each source on its own (hf_lisa.train.training_data)
     return raw, bundled, held_out
 
 
@@ -192,18 +196,26 @@ class _Run:
                                                            self.training_args)
         path, self.base_model_id = resolve_model_path(model_args)
         model, self.tokenizer = load_model_and_tokenizer(model_args, path)
-        with training_args.main_process_first(desc="tokenizing"):
-            tokenized, self.report = data_lib.tokenize_datasets(
-                self.raw, self.tokenizer, max_seq_length=data_args.max_seq_length,
+        if lisa_args.stage == DPO:  # preference pairs through TRL's DPOTrainer
+            return self._build_preference(model)
+        with training_args.main_process_first(desc="tokenizing"):  # each source on its own, then mixed
+            tokenized, self.report = self.raw.tokenize(lambda part: data_lib.tokenize_datasets(
+                part, self.tokenizer, max_seq_length=data_args.max_seq_length,
                 data_format=data_args.data_format, completion_only_loss=data_args.completion_only_loss,
                 overlength=data_args.overlength, chat_template=data_args.chat_template,
                 text_column=data_args.text_column, prompt_column=data_args.prompt_column,
                 completion_column=data_args.completion_column, messages_column=data_args.messages_column,
                 num_proc=data_args.preprocessing_num_workers, load_from_cache_file=not data_args.overwrite_cache,
                 on_bad_row=data_args.on_bad_row,
-            )
+            ))
         self.chat = data_lib.use_chat_template(self.tokenizer, data_args.chat_template)
         model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
+        self.collator, self.packing = data_lib.data_collator(self.tokenizer), None
+        if data_args.packing:  # train rows side by side, checked on this model first (hf_lisa.train.packing)
+            from .packing import prepare_packing
+
+            tokenized, self.collator, self.packing = prepare_packing(
+                tokenized, model, self.tokenizer, data_args.max_seq_length, training_args.seed, self.collator)
         if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
         model, scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
@@ -211,12 +223,31 @@ class _Run:
         self.trainer = self._trainer(model, tokenized, scheduling_callbacks)
         self.gen_rows = []
         n_gen = data_args.eval_generation_samples or 0
-        if n_gen and "validation" in self.raw and self.report.data_format in ("prompt_completion", "messages"):
-            self.gen_rows = generation_rows(self.raw["validation"], self.report.data_format, data_args, n_gen)
+        for validation, data_format in self.raw.validation_splits() if n_gen else ():  # each source's, in order
+            if data_format != "text" and len(self.gen_rows) < n_gen:  # text rows have no answer
+                self.gen_rows += generation_rows(validation, data_format, data_args, n_gen - len(self.gen_rows),
+                                                 chat=self.chat)
+
+    def _build_preference(self, model) -> None:
+        """``--stage dpo``: the rows checked and converted (TRL's ``DPOTrainer`` tokenises them), the reference model
+        (a frozen copy of the loaded model for the methods that train its weights), the method, the trainer; no
+        generation exact match (:mod:`hf_lisa.train.preference`, :mod:`hf_lisa.train.dpo`)."""
+        from .dpo import reference_model
+        from .preference import preference_datasets
+
+        data_args, lisa_args, training_args = self.data_args, self.lisa_args, self.training_args
+        with training_args.main_process_first(desc="checking the preference rows"):
+            rows, self.report = preference_datasets(self.raw, self.tokenizer, data_args)
+        self.chat, self.packing, self.gen_rows = False, None, []
+        self.ref_model = reference_model(model, lisa_args.method)  # before apply_method and any step
+        model = prepare_quantized_model(model, training_args)
+        if training_args.gradient_checkpointing and get_method(lisa_args.method).is_adapter:
+            model.enable_input_require_grads()
+        model, self.scheduling_callbacks = apply_method(model, lisa_args, seed=training_args.seed)
+        self.trainer = self._trainer(model, rows, self.scheduling_callbacks)
 
     def _trainer(self, model, tokenized, scheduling_callbacks) -> LisaTrainer:
         """The ``LisaTrainer`` with the scheduling, summary and monitoring callbacks, prepared for DDP."""
-        from . import data as data_lib
         from ..distributed import configure_trainer_for_lisa
         from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
@@ -228,28 +259,36 @@ class _Run:
             layers_attribute=lisa_args.lisa_layers_attribute,
         )
         notes = start_notes(training_args, self.held_out, self.data_args.validation_split_percentage)
+        notes += [self.packing.line()] if self.packing else []
         callbacks = scheduling_callbacks + [_summary_callback(lisa_args.method, training_args.output_dir,
                                                               lisa_args.lisa_layers_attribute, self.start_info,
                                                               schedules=scheduling_callbacks, notes=notes),
                                             _manifest_callback()]  # checkpoints listed in output_dir's manifest
-        self.eval_dataset = eval_dataset = tokenized.get("validation")
-        trainer = LisaTrainer(
-            model=model,
-            args=training_args,
-            train_dataset=tokenized["train"],
-            eval_dataset=eval_dataset,
-            processing_class=self.tokenizer,
-            data_collator=data_lib.data_collator(self.tokenizer),
-            compute_metrics=compute_metrics if eval_dataset is not None else None,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
-            callbacks=callbacks,
-            layerwise_lr_decay=lisa_args.layerwise_lr_decay,
-            layers_attribute=lisa_args.lisa_layers_attribute,
-            optim_step_in_backward=lisa_args.optim_step_in_backward,
-            chunked_loss=lisa_args.chunked_loss,
-            cpu_allocator=lisa_args.cpu_allocator,
-            optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
+        options = dict(  # LisaTrainer's own
+            layerwise_lr_decay=lisa_args.layerwise_lr_decay, layers_attribute=lisa_args.lisa_layers_attribute,
+            optim_step_in_backward=lisa_args.optim_step_in_backward, chunked_loss=lisa_args.chunked_loss,
+            cpu_allocator=lisa_args.cpu_allocator, optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
         )
+        if lisa_args.stage == DPO:  # TRL's DPOTrainer with LisaTrainer's behaviour composed in (hf_lisa.train.dpo)
+            from .dpo import dpo_trainer
+
+            trainer = dpo_trainer(model, self.ref_model, training_args, self.data_args, lisa_args, tokenized,
+                                  self.tokenizer, self.report, callbacks, **options)
+            self.eval_dataset = trainer.eval_dataset
+        else:
+            self.eval_dataset = eval_dataset = tokenized.get("validation")
+            trainer = LisaTrainer(
+                model=model,
+                args=training_args,
+                train_dataset=tokenized["train"],
+                eval_dataset=eval_dataset,
+                processing_class=self.tokenizer,
+                data_collator=self.collator,
+                compute_metrics=compute_metrics if eval_dataset is not None else None,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics if eval_dataset is not None else None,
+                callbacks=callbacks,
+                **options,
+            )
         monitor.attach(trainer)  # the LISA callbacks placed themselves ahead of the integrations as it was built
         use_compact_console(trainer)  # one line per log event on the console; --report_to gets every value
         _pin_tensorboard_logging_dir(trainer)
@@ -264,7 +303,8 @@ class _Run:
         trainer, data_args, metrics = self.trainer, self.data_args, self.metrics
         if self.eval_dataset is not None:
             result = trainer.evaluate()
-            for key in ("eval_loss", "eval_perplexity", "eval_token_accuracy"):
+            sft = ("eval_loss", "eval_perplexity", "eval_token_accuracy")
+            for key in DPO_EVAL_METRICS if self.lisa_args.stage == DPO else sft:
                 if key in result:
                     metrics[key + suffix] = float(result[key])
         if self.gen_rows:
@@ -313,6 +353,9 @@ class _Run:
                 lisa=lisa_knobs(lisa_args), metrics=metrics, global_step=trainer.state.global_step,
                 data_report=self.report, bundled=self.bundled, trainable=self.start_info, started=self.started,
             )
+            summary.data.update(self.raw.summary() if hasattr(self.raw, "summary") else {})  # a mixture's sources
+            if self.packing:  # rows, sequences, rows per sequence, filled positions
+                summary.data["packing"] = self.packing.to_dict()
             if trainer.is_world_process_zero():
                 plot = plot_losses(
                     trainer.state.log_history, os.path.join(staging, LOSS_PLOT_NAME),

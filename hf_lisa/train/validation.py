@@ -11,9 +11,10 @@
 * **The data format** (:func:`detect_format`, :func:`check_data`): detected from the train split's columns; every
   other split must have its columns, and no file may mix rows of two formats (:func:`rows_by_format` finds them from
   the columns' null masks, without reading the rows into Python).
-* **Rows** (:func:`check_row`): missing, empty or non-string fields, messages without a known role or with non-string
-  content, an empty turn, a chat without an assistant turn. Each problem has a short *reason* (what the skip counts
-  are keyed by) and a *detail* (what the error under ``on_bad_row="error"`` says about the row).
+* **Rows** (:func:`check_row`; Alpaca and ShareGPT rows in :mod:`.formats`): missing, empty or non-string fields,
+  messages without a known role or with non-string content, an empty turn, a chat without an assistant turn. Each
+  problem has a short *reason* (what the skip counts are keyed by) and a *detail* (what the error under
+  ``on_bad_row="error"`` says about the row).
 
 ``hf_lisa.train.data`` reads the files, calls these checks and tokenises.
 """
@@ -32,10 +33,13 @@ from functools import reduce
 from typing import Any, NamedTuple
 
 LINE_COLUMN = "_hf_lisa_line"
-FORMATS = ("prompt_completion", "messages", "text")
+FORMATS = ("prompt_completion", "messages", "alpaca", "sharegpt", "text")  # the order `auto` tries them in
 DATA_FORMATS = ("auto", *FORMATS)
 OVERLENGTH_POLICIES = ("skip", "truncate", "error")
-FORMAT_TITLES = {"prompt_completion": "prompt/completion", "messages": "chat", "text": "plain text"}
+FORMAT_TITLES = {"prompt_completion": "prompt/completion", "messages": "chat", "alpaca": "Alpaca",
+                 "sharegpt": "ShareGPT", "text": "plain text"}
+ALPACA_COLUMNS = ("instruction", "output")  # what detects Alpaca rows; `input` and `system` are optional
+SHAREGPT_COLUMN = "conversations"
 ON_BAD_ROW = ("skip", "error")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 JSON_LINES_HINT = (
@@ -53,7 +57,7 @@ class DataError(ValueError):
 
 
 class Columns(NamedTuple):
-    """The column names of the three row formats (``--prompt_column``, ...)."""
+    """The column names of the native row formats (``--prompt_column``, ...); Alpaca's and ShareGPT's are fixed."""
 
     prompt: str = "prompt"
     completion: str = "completion"
@@ -63,7 +67,7 @@ class Columns(NamedTuple):
     def of(self, data_format: str) -> tuple[str, ...]:
         """The columns a row of ``data_format`` needs."""
         return {"prompt_completion": (self.prompt, self.completion), "messages": (self.messages,),
-                "text": (self.text,)}[data_format]
+                "alpaca": ALPACA_COLUMNS, "sharegpt": (SHAREGPT_COLUMN,), "text": (self.text,)}[data_format]
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,8 @@ def detect_format(
     completion_column: str = "completion",
     messages_column: str = "messages",
 ) -> str:
-    """Return ``"prompt_completion"``, ``"messages"`` or ``"text"`` for a dataset with ``column_names``."""
+    """The format (one of ``FORMATS``) of a dataset with ``column_names``: ``data_format``, or with ``"auto"`` the first
+    of ``FORMATS`` whose columns are all present (a dataset with ``instruction``, ``output`` and ``text`` is Alpaca)."""
     if data_format not in DATA_FORMATS:
         raise DataError(f"data_format={data_format!r} is invalid; allowed: {DATA_FORMATS}.")
     columns = Columns(prompt_column, completion_column, messages_column, text_column)
@@ -254,8 +259,9 @@ def detect_format(
             return fmt
     raise DataError(
         f"Cannot tell the data format from the columns {column_names}. Provide one of: '{prompt_column}' + "
-        f"'{completion_column}' (prompt/completion), '{messages_column}' (chat), or '{text_column}' (plain text); "
-        "or rename them with --prompt_column/--completion_column/--messages_column/--text_column."
+        f"'{completion_column}' (prompt/completion), '{messages_column}' (chat), 'instruction' + 'output' (Alpaca), "
+        f"'{SHAREGPT_COLUMN}' (ShareGPT), or '{text_column}' (plain text); or rename them with --prompt_column/"
+        "--completion_column/--messages_column/--text_column."
     )
 
 
@@ -406,7 +412,8 @@ def _check_messages(messages: Any, column: str) -> BadRow | None:
 
 
 def check_row(row: dict, data_format: str, columns: Columns) -> BadRow | None:
-    """Why ``row`` cannot be trained on as ``data_format``, or None when it can.
+    """Why ``row`` cannot be trained on as ``data_format`` (a native format), or None when it can; Alpaca and ShareGPT
+    rows: :func:`hf_lisa.train.formats.check_row`, which calls this for the others.
 
     Every field the format uses must be a non-empty string; chat messages must be objects with a role in ``ROLES`` and
     non-empty string content, and at least one turn must be the assistant's.

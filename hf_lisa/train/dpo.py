@@ -1,0 +1,162 @@
+"""``hf-lisa train --stage dpo``: TRL's ``DPOTrainer`` with everything :class:`~hf_lisa.train.trainer.LisaTrainer`
+adds, its ``DPOConfig`` built from the run's ``TrainingArguments``, and the reference model each method needs.
+
+* **The trainer** (:class:`LisaDPOTrainer`): ``LisaTrainer``'s behaviour composed over ``DPOTrainer`` by inheritance
+  (``LisaTrainer`` only extends ``Trainer`` methods through ``super()``): layer-wise LR decay, the optimizer stepped in
+  the backward pass, the embeddings' 8-bit state, the CPU heap trim, atomic checkpoints with the LISA schedule inside,
+  no Hub token in its pickles, the whole-run ``train_loss`` and the progress guard. ``--chunked_loss`` has nothing to
+  do: TRL's fused LM head computes the log-probabilities a tile of positions at a time.
+* **The configuration** (:func:`dpo_config`): every ``TrainingArguments`` field carried over as it is (a value that
+  TRL's ``DPOConfig`` would change is refused, never dropped), with ``beta=--dpo_beta``, ``max_length=--max_seq_length``
+  and ``dataset_num_proc=--preprocessing_num_workers``.
+* **The reference model** (:func:`reference_model`): for adapter methods (LISA adapters, LoRA, DoRA) none, since the
+  base model with the adapters disabled is the reference (no memory); for the methods that train the weights
+  (full-parameter LISA, full fine-tuning), a frozen copy of the model as loaded, before any step: one more copy of
+  the weights in their dtype (no gradients, no optimizer state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+from typing import Optional
+
+from torch import nn
+from trl import DPOConfig, DPOTrainer
+
+from ..errors import UsageError
+from ..methods import get_method
+from .output_dir import LisaTrainingArguments
+from .preference import apply_length_policy
+from .trainer import LisaTrainer
+from .validation import LINE_COLUMN
+
+logger = logging.getLogger("hf_lisa.train")
+
+#: the adapter TRL 1.16 copies a given ``PeftModel``'s adapter into, as the reference of a re-trained adapter
+TRL_REFERENCE_ADAPTER = "ref"
+
+
+class LisaDPOTrainer(LisaTrainer, DPOTrainer):
+    """TRL's ``DPOTrainer`` with ``LisaTrainer``'s additions (see :class:`~hf_lisa.train.trainer.LisaTrainer` for its
+    keyword arguments), for a model that ``apply_method`` has already wrapped.
+
+    * A ``PeftModel`` with a fresh adapter (``fresh_adapter=True``, the default: as ``apply_method`` builds it) gets the
+      base model as reference (the adapters disabled), as ``DPOTrainer(..., peft_config=...)`` gives: TRL 1.16 copies a
+      given ``PeftModel``'s adapter into a frozen ``"ref"`` adapter, meant for re-training a trained one; a fresh
+      adapter starts as the identity (``B = 0``), so the copy computes the base model's function at the cost of a
+      second adapter, and is dropped. Pass ``fresh_adapter=False`` for a trained adapter: TRL's copy stays its
+      reference.
+    * The trainable parameters keep the dtype ``apply_method`` gave them: TRL casts a quantized model's trainable
+      parameters to bf16 (its QLoRA recipe), which the SFT path does not do.
+    * No model card at each checkpoint: hf-lisa writes its own with the final model (:mod:`hf_lisa.hub.card`), and
+      TRL's would land in ``output_dir`` outside the run's manifest.
+    """
+
+    def __init__(self, model: nn.Module, ref_model: Optional[nn.Module] = None, *args, fresh_adapter: bool = True,
+                 **kwargs):
+        adapters = getattr(model, "peft_config", None)
+        fresh_adapter = fresh_adapter and adapters is not None and TRL_REFERENCE_ADAPTER not in adapters
+        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+        super().__init__(model, ref_model, *args, **kwargs)
+        if fresh_adapter and TRL_REFERENCE_ADAPTER in self.model.peft_config:
+            self.model.delete_adapter(TRL_REFERENCE_ADAPTER)
+        for name, param in self.model.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DPOConfig from the parsed TrainingArguments
+# ----------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LisaDPOConfig(DPOConfig, LisaTrainingArguments):
+    """TRL's ``DPOConfig`` with the fields ``hf-lisa train`` adds to ``TrainingArguments`` (``--keep_checkpoints``,
+    ...), so that the arguments of a ``--stage dpo`` run are one object, as for SFT."""
+
+
+#: DPOConfig settings the run sets itself: ``{field: (value, why)}``
+DPO_SETTINGS = {
+    "prediction_loss_only": (True, "the DPO metrics come from the loss computation; logits would cost a second "
+                                   "forward pass per evaluation batch, and no metric reads them"),
+}
+
+
+def dpo_config(training_args, *, beta: float, max_seq_length: int, num_proc: Optional[int]) -> LisaDPOConfig:
+    """A :class:`LisaDPOConfig` holding every field of ``training_args`` as it is, with ``beta``,
+    ``max_length=max_seq_length``, ``dataset_num_proc=num_proc`` and :data:`DPO_SETTINGS`.
+
+    Raises:
+        UsageError: naming the fields of ``training_args`` that ``LisaDPOConfig`` lacks, or whose value it would not
+            keep (nothing is dropped silently).
+    """
+    names = [f.name for f in dataclasses.fields(training_args) if f.init]
+    own = {f.name for f in dataclasses.fields(LisaDPOConfig)}
+    missing = [name for name in names if name not in own]
+    if missing:
+        raise UsageError(f"--stage dpo cannot carry {', '.join('--' + n for n in missing)} over into TRL's "
+                         f"DPOConfig ({type(training_args).__name__} has fields it lacks).")
+    settings = {name: value for name, (value, _) in DPO_SETTINGS.items()}
+    config = LisaDPOConfig(**{name: getattr(training_args, name) for name in names if name not in settings},
+                           **settings, beta=beta, max_length=max_seq_length, dataset_num_proc=num_proc)
+    lost = [f"--{name}={getattr(training_args, name)!r} (DPOConfig: {getattr(config, name)!r})" for name in names
+            if name not in settings and getattr(config, name) != getattr(training_args, name)]
+    if lost:
+        raise UsageError(f"--stage dpo cannot carry {', '.join(lost)} over into TRL's DPOConfig; change or remove "
+                         "the option(s).")
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The reference model, and the trainer of a run
+# ----------------------------------------------------------------------------------------------------------------------
+def reference_model(model: nn.Module, method: str) -> Optional[nn.Module]:
+    """The model DPO measures the policy against: ``None`` for adapter methods (the base model, adapters disabled),
+    else a frozen copy of ``model``, made before ``apply_method`` and training touch it."""
+    if get_method(method).is_adapter:
+        return None
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+@contextlib.contextmanager
+def _datasets_cache(enabled: bool):
+    """``datasets``' cache off inside (``--overwrite_cache``: TRL's tokenisation is recomputed)."""
+    import datasets
+
+    was = datasets.is_caching_enabled()
+    if not enabled:
+        datasets.disable_caching()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            datasets.enable_caching()
+
+
+def dpo_trainer(model, ref_model, training_args, data_args, lisa_args, rows, tokenizer, report, callbacks,
+                **trainer_kwargs) -> LisaDPOTrainer:
+    """The run's :class:`LisaDPOTrainer` on the preference ``rows`` (:func:`~.preference.preference_datasets`):
+    TRL tokenises them, then ``--overlength`` applies (:func:`~.preference.apply_length_policy`, counted in
+    ``report``). ``trainer_kwargs``: ``LisaTrainer``'s options."""
+    config = dpo_config(training_args, beta=lisa_args.dpo_beta, max_seq_length=data_args.max_seq_length,
+                        num_proc=data_args.preprocessing_num_workers)
+    with _datasets_cache(not data_args.overwrite_cache):
+        trainer = LisaDPOTrainer(
+            model=model, ref_model=ref_model, args=config, train_dataset=rows["train"],
+            eval_dataset=rows.get("validation"), processing_class=tokenizer, callbacks=callbacks,
+            **{**trainer_kwargs, "chunked_loss": False},  # TRL's fused LM head already works a tile at a time
+        )
+    for split, attribute in (("train", "train_dataset"), ("validation", "eval_dataset")):
+        if split in rows:
+            setattr(trainer, attribute, apply_length_policy(
+                getattr(trainer, attribute), rows[split][LINE_COLUMN], rows[split], split, data_args.max_seq_length,
+                data_args.overlength, report,
+            ))
+    return trainer

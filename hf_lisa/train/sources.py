@@ -1,0 +1,335 @@
+"""Where training rows come from: files, folders of them, dataset ids with a config and a split, and several sources
+mixed by weight.
+
+* **A source spec** is ``--train_file``'s value: one path, or ``path[:weight]`` entries separated by commas
+  (``'a.jsonl:0.7,b.jsonl:0.3'``), or, in a config file, a YAML list of paths or ``{path, weight}`` mappings
+  (:func:`parse_sources`). A weight is read after an entry's *last* ``:`` and only when it reads as a number, so a
+  path may itself hold ``:`` (``C:\\data\\a.jsonl``); a missing weight is 1; weights are normalised to sum to 1. A path
+  that holds ``,`` goes in the YAML list.
+* **A folder** holds files of one format, read in name order; hidden files are ignored (:func:`folder_files`).
+* **A dataset** (``--dataset_name``): a Hub id or a local dataset folder, as ``datasets.load_dataset`` reads it, with
+  ``--dataset_config`` and ``--dataset_split`` (:func:`load_named_dataset`).
+* **Mixing** (:func:`mixture_order`): each draw picks a source with probability its weight (a seeded generator) and
+  takes that source's next row (its rows in a seeded random order); the mixture stops at the first draw whose source
+  has no row left, as ``datasets.interleave_datasets(..., stopping_strategy="first_exhausted")``: no row is repeated,
+  and the proportions follow the weights.
+
+:mod:`.training_data` puts these together for ``hf-lisa train``: each source loaded, checked and tokenised on its own,
+then mixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..errors import UsageError
+from .validation import DataError, add_locations
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_TO_BUILDER = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+MIXTURE_RULE = "first_exhausted"  # the mixture ends when its first source runs out (no row repeated)
+VALIDATION_SPLITS = ("validation", "test")  # a dataset's own held-out split, in order of preference
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?|[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
+_ALLOWED = ", ".join(EXTENSION_TO_BUILDER)
+_HELD_OUT_NAMES = {"test", "validation", "valid", "val", "dev", "eval"}  # file names of a dataset's held-out splits
+
+__all__ = ["EXTENSION_TO_BUILDER", "MIXTURE_RULE", "SourceSpec", "builder_for", "folder_files", "load_named_dataset",
+           "mixture_order", "normalised_weights", "parse_sources"]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``--train_file``: a file or folder and its weight (before normalisation)."""
+
+    path: str
+    weight: float = 1.0
+    option: str = "train_file"
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``"train_file='data/a.jsonl'"``."""
+        return f"{self.option}={self.path!r}"
+
+
+# -- specs -------------------------------------------------------------------------------------------------------------
+def _weight_of(value: Any, path: str, option: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UsageError(f"--{option}: the weight of {path!r} is {value!r}; allowed: a number > 0.")
+    try:
+        weight = float(value)
+    except ValueError:
+        raise UsageError(f"--{option}: the weight of {path!r} is {value!r}; allowed: a number > 0.") from None
+    if not (math.isfinite(weight) and weight > 0):
+        raise UsageError(
+            f"--{option}: the weight of {path!r} is {value!r}; allowed: a finite number > 0 (weights are normalised to "
+            "sum to 1)."
+        )
+    return weight
+
+
+def _split_entry(entry: str, option: str) -> SourceSpec:
+    """``"a.jsonl:0.7"`` -> ``SourceSpec("a.jsonl", 0.7)``; the weight only after the last ``:``, only a number, and
+    not when the whole entry names an existing file or folder."""
+    entry = entry.strip()
+    head, sep, tail = entry.rpartition(":")
+    if sep and _NUMBER.fullmatch(tail.strip()) and not os.path.exists(entry):
+        if not head.strip():
+            raise UsageError(f"--{option}: the entry {entry!r} has a weight but no path.")
+        return SourceSpec(head.strip(), _weight_of(tail.strip(), head.strip(), option), option)
+    return SourceSpec(entry, 1.0, option)
+
+
+def _entries(value: Any, option: str) -> list[SourceSpec]:
+    if isinstance(value, str):
+        return [_split_entry(entry, option) for entry in value.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise UsageError(f"--{option}={value!r} is invalid; allowed: a path, 'a.jsonl:0.7,b.jsonl:0.3', or (in a "
+                         "config file) a list of paths or {path, weight} mappings.")
+    specs = []
+    for i, item in enumerate(value, 1):
+        if isinstance(item, str):
+            specs.append(_split_entry(item, option))
+        elif isinstance(item, dict):
+            unknown = sorted(set(item) - {"path", "weight"})
+            if unknown or not isinstance(item.get("path"), str):
+                problem = f"has the key(s) {unknown}" if unknown else "has no 'path' string"
+                raise UsageError(f"--{option}: entry {i} ({item!r}) {problem}; allowed keys: path (a string), weight "
+                                 "(a number > 0, default 1).")
+            path = item["path"].strip()
+            specs.append(SourceSpec(path, _weight_of(item.get("weight", 1.0), path, option), option))
+        else:
+            raise UsageError(f"--{option}: entry {i} is {item!r}; allowed: a path or a mapping {{path, weight}}.")
+    return specs
+
+
+def parse_sources(value: Any, option: str = "train_file") -> list[SourceSpec]:
+    """The sources of ``--train_file``: a path, ``'a.jsonl:0.7,b.jsonl:0.3'``, or a list of paths / ``{path,
+    weight}`` mappings (a config file's YAML list). Reads no file: :func:`check_source_paths` looks at them.
+
+    Example:
+        ```py
+        >>> [(s.path, s.weight) for s in parse_sources("a.jsonl:0.7,b.jsonl:0.3")]
+        [('a.jsonl', 0.7), ('b.jsonl', 0.3)]
+        >>> [(s.path, s.weight) for s in parse_sources([{"path": "a.jsonl"}, "b.jsonl:3"])]
+        [('a.jsonl', 1.0), ('b.jsonl', 3.0)]
+        ```
+
+    Raises:
+        UsageError: an empty entry, a weight that is not a finite number > 0 (zero, negative, NaN), an entry of
+            the wrong shape, or a source named twice; each names the option and the entry.
+    """
+    specs = _entries(value, option)
+    if not specs:
+        raise UsageError(f"--{option} is an empty list; allowed: at least one path.")
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs, 1):
+        if not spec.path:
+            raise UsageError(f"--{option}={value!r} has an empty entry ({i}); allowed: 'a.jsonl:0.7,b.jsonl:0.3'.")
+        key = os.path.normcase(os.path.realpath(spec.path))
+        if key in seen:
+            raise UsageError(
+                f"--{option} names {spec.path!r} twice (entries {seen[key]} and {i}); give each source once, with its "
+                "whole weight."
+            )
+        seen[key] = i
+    return specs
+
+
+def check_source_arguments(data_args) -> None:
+    """``--train_file`` (:func:`parse_sources`), ``--validation_file`` and ``--dataset_name`` /
+    ``--dataset_config`` / ``--dataset_split`` together, before anything is read (files are looked at when they load).
+
+    Raises:
+        UsageError: naming the option, the value and what is allowed.
+    """
+    if data_args.train_file is not None:
+        parse_sources(data_args.train_file)
+    for name in ("validation_file", "dataset_name", "dataset_config_name", "dataset_split"):
+        value = getattr(data_args, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            flag = "dataset_config" if name == "dataset_config_name" else name
+            raise UsageError(f"--{flag}={value!r} is invalid; allowed: one {'name' if 'dataset' in name else 'path'} "
+                             "(a non-empty string).")
+    if data_args.dataset_name is not None and data_args.train_file is not None:
+        raise UsageError(
+            f"--dataset_name={data_args.dataset_name!r} and --train_file={data_args.train_file!r} both name the "
+            "training data; pass one (several local sources mix with --train_file 'a.jsonl:0.7,b.jsonl:0.3')."
+        )
+    if data_args.dataset_name is None:
+        if data_args.dataset_config_name is not None:
+            raise UsageError(f"--dataset_config={data_args.dataset_config_name!r} needs --dataset_name (the dataset "
+                             "it configures).")
+        if data_args.dataset_split != "train":
+            raise UsageError(f"--dataset_split={data_args.dataset_split!r} needs --dataset_name (the dataset whose "
+                             "split trains); local files train on every row (--validation_file or "
+                             "--validation_split_percentage choose the validation rows).")
+
+
+def normalised_weights(specs: Sequence[SourceSpec]) -> list[float]:
+    """The weights of ``specs`` divided by their sum."""
+    total = sum(spec.weight for spec in specs)
+    return [spec.weight / total for spec in specs]
+
+
+# -- files and folders -------------------------------------------------------------------------------------------------
+def builder_for(path: str, option: str) -> str:
+    """The ``datasets`` builder (``json``, ``csv``, ``parquet``, ``text``) that reads the file ``path``.
+
+    Raises:
+        FileNotFoundError, DataError: a missing or empty file, a folder, or an unsupported extension, naming
+            ``option`` and ``path``.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{option}={path!r} does not exist.")
+    if os.path.isdir(path):
+        raise DataError(f"{option}={path!r} is a directory; pass a file ({_ALLOWED}).")
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in EXTENSION_TO_BUILDER:
+        raise DataError(f"{option}={path!r} has the unsupported extension {ext!r}; allowed: {_ALLOWED}.")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{option}={path!r} is empty.")
+    return EXTENSION_TO_BUILDER[ext]
+
+
+def folder_files(path: str, option: str) -> list[str]:
+    """The data files of the folder ``path``, sorted by name: every file of one format (``.json`` and ``.jsonl``
+    are one), hidden files (a leading ``.``) left out. Sub-folders are not read (a warning names them).
+
+    Raises:
+        DataError: a folder without data files, a file of an unsupported type, or files of several formats; each
+            names the option, the folder and the files.
+    """
+    names = sorted(name for name in os.listdir(path) if not name.startswith("."))
+    folders = [name for name in names if os.path.isdir(os.path.join(path, name))]
+    if folders:
+        logger.warning("%s=%r: its sub-folders are not read: %s.", option, path, ", ".join(folders))
+    files = [name for name in names if name not in folders]
+    if not files:
+        raise DataError(f"{option}={path!r} is a folder without data files; allowed: {_ALLOWED} files (hidden files "
+                        "are ignored).")
+    unsupported = [name for name in files if os.path.splitext(name)[1].lower() not in EXTENSION_TO_BUILDER]
+    if unsupported:
+        raise DataError(
+            f"{option}={path!r} holds files of an unsupported type: {', '.join(unsupported[:5])}"
+            f"{', ...' if len(unsupported) > 5 else ''}; allowed: {_ALLOWED}. Move them out of the folder (or hide "
+            "them with a leading '.'); a dataset folder with a README goes to --dataset_name."
+        )
+    by_builder: dict[str, list[str]] = {}
+    for name in files:
+        by_builder.setdefault(EXTENSION_TO_BUILDER[os.path.splitext(name)[1].lower()], []).append(name)
+    if len(by_builder) > 1:
+        kinds = "; ".join(f"{builder}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                          for builder, names in by_builder.items())
+        raise DataError(f"{option}={path!r} mixes file formats ({kinds}); a folder holds files of one format. Give "
+                        f"each format its own folder and mix them: --{option} 'a/:1,b/:1'.")
+    held = [name for name in files if re.split(r"[-_.]", name.lower(), maxsplit=1)[0] in _HELD_OUT_NAMES]
+    if held and option == "train_file":  # a dataset folder passed as a folder of files: its test split would train
+        logger.warning("%s=%r: every file of a folder trains, %s included; to use them as a dataset's splits, pass "
+                       "the folder as --dataset_name.", option, path, ", ".join(held))
+    return [os.path.join(path, name) for name in files]
+
+
+def check_source_paths(specs: Sequence[SourceSpec]) -> None:
+    """Every file exists and is supported, every folder holds files of one format: before anything is read."""
+    for spec in specs:
+        if os.path.isdir(spec.path):
+            for path in folder_files(spec.path, spec.option):
+                builder_for(path, spec.option)
+        else:
+            if not os.path.exists(spec.path) and ":" in spec.path:
+                raise FileNotFoundError(f"{spec.label} does not exist (a weight goes after the last ':' and must be a "
+                                        "number, e.g. 'a.jsonl:0.7').")
+            builder_for(spec.path, spec.option)
+
+
+# -- datasets by name --------------------------------------------------------------------------------------------------
+def load_named_dataset(name: str, config: str | None = None, split: str = "train", cache_dir: str | None = None,
+                       line_numbers: bool = False):
+    """A Hub dataset id or a local dataset folder (of data files, as ``datasets.load_dataset`` reads it, or written by
+    ``save_to_disk``) as a ``DatasetDict``: ``train`` is its split ``split``;
+    ``validation`` its ``validation`` split, else its ``test`` split, when it has one (other than ``split``).
+
+    ``line_numbers`` adds ``LINE_COLUMN`` (each row's number, named ``dataset_name='x' (train split), row``).
+
+    Raises:
+        DataError: the dataset cannot be loaded (offline, unknown id or config: ``datasets``' reason, and what to
+            check), ``split`` is not one of its splits (they are listed), or a split is empty.
+    """
+    import datasets
+
+    label = f"dataset_name={name!r}" + (f" (dataset_config={config!r})" if config else "")
+    local = os.path.isdir(name)
+    if not local and (name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name):  # no Hub id
+        raise FileNotFoundError(f"{label} does not exist: no such folder, and not a Hub id ('namespace/name').")
+    saved = local and any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json"))
+    if saved and config:
+        raise DataError(f"{label}: a folder written by save_to_disk has no configurations; drop --dataset_config.")
+    try:
+        loaded = datasets.load_from_disk(name) if saved else datasets.load_dataset(name, config, cache_dir=cache_dir)
+    except Exception as err:  # offline, unknown id or config, unreadable files: several exception types
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        hint = ("Check the folder's files and --dataset_config." if local else
+                "A Hub id needs network access (or the dataset in the datasets cache, with HF_HUB_OFFLINE=1); a local "
+                "dataset folder must exist; a local file goes to --train_file.")
+        raise DataError(f"Could not load {label}: {type(err).__name__}: {reason} {hint}") from err
+    if not isinstance(loaded, datasets.DatasetDict):
+        loaded = datasets.DatasetDict({"train": loaded})
+    if split not in loaded:
+        raise DataError(f"dataset_split={split!r} is not a split of {label}; its splits: {', '.join(loaded)}.")
+    chosen = {"train": split}
+    held = next((s for s in VALIDATION_SPLITS if s in loaded and s != split), None)
+    if held:
+        chosen["validation"] = held
+    for role, original in chosen.items():
+        if len(loaded[original]) == 0:
+            raise DataError(f"{label} has no rows in its {original} split.")
+    return datasets.DatasetDict({
+        role: add_locations(loaded[original], f"{label} ({original} split)", "row") if line_numbers
+        else loaded[original]
+        for role, original in chosen.items()
+    })
+
+
+# -- mixing ------------------------------------------------------------------------------------------------------------
+def mixture_order(sizes: Sequence[int], weights: Sequence[float], seed: int):
+    """The rows of a weighted mixture of sources with ``sizes`` rows, in order: ``(source, row)`` as two int64 arrays.
+
+    Each draw picks source ``i`` with probability ``weights[i] / sum(weights)`` and takes its next row; each source's
+    rows come in a random order; the mixture ends at the first draw whose source has no row left
+    (``MIXTURE_RULE``), so no row repeats and each source's share follows its weight. One
+    ``numpy.random.default_rng(seed)`` draws everything: the same sizes, weights and seed give the same mixture.
+
+    Example:
+        ```py
+        >>> source, row = mixture_order([100, 100], [0.7, 0.3], seed=0)
+        >>> len(source) == len(row) and (source == 0).sum() == 100  # the first source ran out first
+        True
+        ```
+    """
+    import numpy as np
+
+    if len(sizes) != len(weights) or not sizes or min(sizes) < 1:
+        raise ValueError(f"mixture_order needs one weight per non-empty source; got sizes {list(sizes)} and weights "
+                         f"{list(weights)}.")
+    probabilities = np.asarray(weights, dtype=np.float64)
+    probabilities = probabilities / probabilities.sum()
+    rng = np.random.default_rng(seed % 2**64)
+    orders = [rng.permutation(n) for n in sizes]
+    draws = rng.choice(len(sizes), size=sum(sizes) + 1, p=probabilities)  # one more than the rows: some source runs out
+    stop = len(draws)
+    for i, n in enumerate(sizes):
+        hits = np.flatnonzero(draws == i)
+        if len(hits) > n:
+            stop = min(stop, int(hits[n]))
+    source = draws[:stop].astype(np.int64)
+    row = np.empty(stop, dtype=np.int64)
+    for i in range(len(sizes)):
+        mine = source == i
+        row[mine] = orders[i][: int(mine.sum())]
+    return source, row
