@@ -33,17 +33,20 @@ def test_cpu_smoke_run_measures_every_method(tmp_path):
     model = build_tiny_lm_dir(tmp_path / "model", num_layers=3, hidden=32)  # vocab 128, untied, kv heads 2
     out = tmp_path / "out"
     code = gpu_check.main(["--output", str(out), "--allow_cpu", "--no_autocast", "--model", model, "--steps", "3",
-                           "--warmup", "1", "--batch_size", "2", "--seq_len", "8", "--lisa_interval_steps", "2"])
+                           "--warmup", "1", "--batch_size", "2", "--seq_len", "128",  # the bundled rows fit
+                           "--lisa_interval_steps", "2"])
     assert code == 0
     report = json.loads((out / "gpu_check.json").read_text())
-    rows = {r["method"]: r for r in report["results"]}
+    rows = {r["method"]: r for r in report["rows"]}
     block = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32  # q,o + k,v + gate,up,down + 2 norms
     outside = 2 * 128 * 32 + 32  # embeddings, head, final norm
     assert rows["full"]["trainable_params"] == 3 * block + outside
     assert rows["lisa"]["trainable_params"] == 2 * block + outside  # E+H+2L
     lora_block = 16 * ((32 + 32) * 2 + (32 + 16) * 2 + (32 + 64) * 3)  # r (in + out) per linear layer
     assert rows["lora"]["trainable_params"] == 3 * lora_block
-    assert [s for s, _ in rows["lisa"]["lisa_active_history"]] == [0, 2]  # switched at K = 2
-    for row in rows.values():
-        assert row["steps_run"] == 3 and row["tokens_per_second"] > 0 and row["optimizer_state_bytes"] > 0
-    assert "| LISA E+H+2L (K=2) |" in (out / "gpu_check.md").read_text()
+    for row in rows.values():  # every method of the comparison ran, the peers included
+        assert row["tokens_per_second"] > 0 and row["optimizer_state_bytes"] > 0
+    assert {"badam", "galore"} <= set(rows)
+    harness = {r["method"]: r for r in json.loads((out / "gpu-compare.json").read_text())["results"]}
+    assert all(len(r["steps"]) == 3 for r in harness.values())
+    assert "not judged" in (out / "gpu_check.md").read_text()  # the 1.5x check is for a GPU only
