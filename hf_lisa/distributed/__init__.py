@@ -45,10 +45,13 @@ it, it is refused.
 **DeepSpeed ZeRO** builds its fp32 partitions and optimizer over the parameters trainable at ``deepspeed.initialize``
 (DeepSpeed #5639): blocks frozen later keep moving under Adam and blocks unfrozen later never train. Fixed trainable
 sets (LoRA, LISA adapters with ``lisa_activated_layers=0``, sparse-mask re-selection, which changes no
-``requires_grad``) train normally. Layer switching is refused with an error that names FSDP2.
+``requires_grad``) train normally. In a custom ``deepspeed.initialize`` loop, :class:`DeepSpeedLayerSwitcher`
+makes layer switching exact under ZeRO-1/2/3 by rebuilding the ZeRO optimizer over the new trainable set at every
+switch (state carried through DeepSpeed's ``safe_get/set_full_*`` API). Under the Trainer, layer switching is refused
+with an error that names the switcher and FSDP2.
 
-Modules: :mod:`.guards` (engine detection, the one support check), :mod:`.ddp`, :mod:`.fsdp2`, :mod:`.configure`
-(``configure_trainer_for_lisa``)."""
+Modules: :mod:`.guards` (engine detection, the one support check), :mod:`.ddp`, :mod:`.fsdp2`, :mod:`.deepspeed`
+(``DeepSpeedLayerSwitcher``), :mod:`.configure` (``configure_trainer_for_lisa``)."""
 
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ from .ddp import (
     lisa_allreduce_hook,
     register_lisa_comm_hook,
 )
+from .deepspeed import DeepSpeedLayerSwitcher
 from .fsdp2 import (
     FSDP2_SCHEDULE_FILE,
     fully_shard_blocks,
@@ -83,6 +87,7 @@ from .guards import (
 __all__ = [
     "ActiveSetCommState",
     "COMM_HOOKS",
+    "DeepSpeedLayerSwitcher",
     "ENGINES",
     "FSDP2_SCHEDULE_FILE",
     "FSDP2_UNFREEZE_FIXED_IN",

@@ -182,15 +182,19 @@ def _engine_to_check(model: Optional[nn.Module], optimizer: Any, params: list, a
 
 
 def _check_deepspeed(engine: str, form: str) -> None:
-    """Refuse DeepSpeed ZeRO, which fixes the trainable set when it builds its partitions."""
+    """Refuse DeepSpeed ZeRO, which fixes the trainable set when it builds its partitions, unless a
+    ``DeepSpeedLayerSwitcher`` rebuilds them (checked by the caller)."""
     if engine == "deepspeed":
         raise UnsupportedEngineError(
             f"{form} changes which parameters train every K steps, but DeepSpeed ZeRO fixes the trainable set "
             "when deepspeed.initialize builds its partitions (DeepSpeed #5639): blocks frozen later keep moving under "
-            "Adam and blocks unfrozen later never train. Use FSDP2 (fully_shard per block: "
+            "Adam and blocks unfrozen later never train. In a custom loop (deepspeed.initialize), drive the schedule "
+            "with hf_lisa.distributed.DeepSpeedLayerSwitcher(engine, scheduler), which rebuilds the ZeRO optimizer "
+            "over the new trainable set at every switch (ZeRO-1/2/3). The Trainer (accelerate launch with a DeepSpeed "
+            "config) does not run it yet: there, use FSDP2 (fully_shard per block: "
             "hf_lisa.distributed.fully_shard_blocks, TrainingArguments(fsdp='full_shard', fsdp_config={'version': 2}) "
-            "or examples/accelerate_configs/fsdp2.yaml) or DDP for layer switching. Under DeepSpeed, train a fixed "
-            "trainable set: LoRA, or LISA adapters with lisa_activated_layers=0 (sparse-mask re-selection works)."
+            "or examples/accelerate_configs/fsdp2.yaml) or DDP for layer switching, or train a fixed trainable set: "
+            "LoRA, or LISA adapters with lisa_activated_layers=0 (sparse-mask re-selection works)."
         )
 
 
@@ -290,8 +294,9 @@ def check_layer_switching_supported(
         The detected engine, one of :data:`ENGINES`.
 
     Raises:
-        UnsupportedEngineError: DeepSpeed ZeRO (any stage); an optimizer that holds none of ``params``; FSDP1 without
-            ``use_orig_params=True``; DDP without ``find_unused_parameters=True``, with ``static_graph=True`` or with
+        UnsupportedEngineError: DeepSpeed ZeRO (any stage) unless ``model`` is an engine driven by a
+            :class:`~hf_lisa.distributed.DeepSpeedLayerSwitcher`; an optimizer that holds none of ``params``;
+            FSDP1 without ``use_orig_params=True``; DDP without ``find_unused_parameters=True``, with ``static_graph=True`` or with
             reentrant activation checkpointing; FSDP2 with a low-precision ``MixedPrecisionPolicy`` on torch < 2.14.1
             without :func:`install_fsdp2_unfreeze_fix`.
 
@@ -304,6 +309,8 @@ def check_layer_switching_supported(
     engine = _engine_to_check(model, optimizer, params, args)
     if not freezes:
         return engine
+    if engine == "deepspeed" and getattr(model, "_hf_lisa_layer_switcher", None) is not None:
+        return engine  # a DeepSpeedLayerSwitcher rebuilds the ZeRO optimizer at every switch
     _check_deepspeed(engine, form)
     _check_optimizer_holds_params(optimizer, params, form)
     _check_fsdp1(engine, model, args, form)

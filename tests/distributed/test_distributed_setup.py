@@ -34,6 +34,8 @@ EXPECTED_CONFIGS = {
     "multi_node.yaml": ("MULTI_GPU", 16, 2),
     "fsdp2.yaml": ("FSDP", 8, 1),
     "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
+    "deepspeed_zero2_offload.yaml": ("DEEPSPEED", 8, 1),
+    "deepspeed_zero3.yaml": ("DEEPSPEED", 8, 1),
     "deepspeed_zero3_offload.yaml": ("DEEPSPEED", 8, 1),
     "cpu_2proc.yaml": ("MULTI_GPU", 2, 1),
 }
@@ -78,10 +80,11 @@ def test_fsdp2_config_builds_a_version_2_plugin_wrapping_each_block():
     assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
 
 
-@pytest.mark.parametrize(
-    "name,stage,offload", [("deepspeed_zero2.yaml", 2, "none"), ("deepspeed_zero3_offload.yaml", 3, "cpu")]
-)
-def test_deepspeed_configs_build_plugins(name, stage, offload):
+@pytest.mark.parametrize("name,stage,offload_optimizer,offload_param", [
+    ("deepspeed_zero2.yaml", 2, "none", "none"), ("deepspeed_zero2_offload.yaml", 2, "cpu", "none"),
+    ("deepspeed_zero3.yaml", 3, "none", "none"), ("deepspeed_zero3_offload.yaml", 3, "cpu", "cpu"),
+])
+def test_deepspeed_configs_build_plugins(name, stage, offload_optimizer, offload_param):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install -e '.[distributed]'")
     from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
@@ -93,7 +96,7 @@ def test_deepspeed_configs_build_plugins(name, stage, offload):
         plugin = DeepSpeedPlugin()
     zero = plugin.deepspeed_config["zero_optimization"]
     assert zero["stage"] == stage
-    assert zero["offload_optimizer"]["device"] == offload and zero["offload_param"]["device"] == offload
+    assert zero["offload_optimizer"]["device"] == offload_optimizer and zero["offload_param"]["device"] == offload_param
 
 
 def test_ddp_kwargs_carry_the_comm_hook_options():
