@@ -216,6 +216,31 @@ def test_hf_lisa_train_stage_dpo_trains_the_embedded_model_with_lisa_adapters(tm
     assert summary["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+@pytest.mark.slow  # the embedded model, and its frozen copy as the reference (~30 s on 2 cores)
+def test_hf_lisa_train_stage_dpo_trains_the_embedded_model_with_full_parameter_lisa(tmp_path, capsys):
+    from hf_lisa.models import default_model_path
+
+    pairs = [("What is the capital of France?", "Paris.", "London."), ("What is 2 + 2?", "4.", "5.")]
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in pairs])
+    code = cli.main([
+        "train", "--stage", "dpo", "--train_file", data, "--output_dir", str(tmp_path / "out"),
+        "--method", "lisa", "--lisa_activated_layers", "2", "--lisa_interval_steps", "2",
+        "--max_steps", "2", "--per_device_train_batch_size", "2", "--learning_rate", "1e-5", "--logging_steps", "1",
+        "--save_strategy", "no", "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true",
+        "--max_seq_length", "64", "--validation_split_percentage", "0", "--seed", "0",
+    ])
+    assert code == 0
+    losses = [line.split("loss ")[1].split(",")[0] for line in capsys.readouterr().out.splitlines()
+              if line.startswith("[hf-lisa] step")]
+    assert losses[0] == "0.6931"  # log 2: the policy starts equal to its reference, the frozen copy
+    base = load_file(str(Path(default_model_path()) / "model.safetensors"))
+    tuned = load_file(str(tmp_path / "out" / "model.safetensors"))
+    moved = {name for name, weight in tuned.items() if not torch.equal(weight, base[name])}
+    blocks = {block_of(name) for name in moved} - {None}
+    assert len(blocks) == 2, blocks  # one period of K = 2 steps: exactly the 2 sampled blocks
+    assert {name for name in moved if block_of(name) is None} == {"model.embed_tokens.weight", "model.norm.weight"}
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # data
 # ----------------------------------------------------------------------------------------------------------------------
