@@ -27,14 +27,15 @@ def test_without_cuda_it_exits_cleanly_and_says_why(tmp_path):
     assert "skipped" in (tmp_path / "gpu_check.md").read_text()
 
 
-def test_cpu_smoke_run_measures_every_method(tmp_path):
+def test_cpu_smoke_run_measures_full_lora_and_lisa(tmp_path):
     from train_fixtures import build_tiny_lm_dir
 
     model = build_tiny_lm_dir(tmp_path / "model", num_layers=3, hidden=32)  # vocab 128, untied, kv heads 2
     out = tmp_path / "out"
     code = gpu_check.main(["--output", str(out), "--allow_cpu", "--no_autocast", "--model", model, "--steps", "3",
                            "--warmup", "1", "--batch_size", "2", "--seq_len", "128",  # the bundled rows fit
-                           "--lisa_interval_steps", "2"])
+                           "--lisa_interval_steps", "2", "--methods", "full,lora,lisa",
+                           "--exact_match_samples", "0"])
     assert code == 0
     report = json.loads((out / "gpu_check.json").read_text())
     rows = {r["method"]: r for r in report["rows"]}
@@ -44,9 +45,8 @@ def test_cpu_smoke_run_measures_every_method(tmp_path):
     assert rows["lisa"]["trainable_params"] == 2 * block + outside  # E+H+2L
     lora_block = 16 * ((32 + 32) * 2 + (32 + 16) * 2 + (32 + 64) * 3)  # r (in + out) per linear layer
     assert rows["lora"]["trainable_params"] == 3 * lora_block
-    for row in rows.values():  # every method of the comparison ran, the peers included
+    for row in rows.values():  # the peers run in tests/test_benchmark_peers.py
         assert row["tokens_per_second"] > 0 and row["optimizer_state_bytes"] > 0
-    assert {"badam", "galore"} <= set(rows)
     harness = {r["method"]: r for r in json.loads((out / "gpu-compare.json").read_text())["results"]}
     assert all(len(r["steps"]) == 3 for r in harness.values())
     assert "not judged" in (out / "gpu_check.md").read_text()  # the 1.5x check is for a GPU only
