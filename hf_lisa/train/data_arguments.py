@@ -151,7 +151,6 @@ class DataArguments:
 def check_data_arguments(data_args: DataArguments) -> None:
     """The data options' own checks, each naming the option, the value and what is allowed (``UsageError``); run by
     :func:`hf_lisa.train.arguments.validate_args` before anything loads."""
-    from ..errors import UsageError
     from .formats import check_format_arguments
     from .sources import check_source_arguments
 
