@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling
+.PHONY: install demo test test-distributed test-fast lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench-levers: $(STAMP)
 # 15 runs, 56 min on 2 CPU cores
 bench-fair-lr: $(STAMP)
 	$(PY) benchmarks/sweep.py --study fair-lr
+
+# the value study (benchmarks/value.py): LoRA, LISA, the LISA adapter, BAdam and GaLore on the arithmetic,
+# instruction and classification tasks, best of 3 learning rates, 3 seeds, 30 steps: ~80 min on 2 CPU cores
+bench-value: $(STAMP)
+	$(PY) benchmarks/value.py --preset cpu
 
 # peak memory and s/step of full, LoRA and LISA over SmolLM2-135M/360M/1.7B shapes x rows of 128/512/2048 tokens, one
 # process per cell, cells too big for the machine recorded, not run: 2.7 h on 2 CPU cores (the 135M and 360M cells

@@ -53,13 +53,6 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 WORKER_FLAG = "--worker"
 
 
-def _bundled_task_files(n_train: int = 2000) -> tuple[str, str]:
-    """The bundled arithmetic task, from the same cache that ``hf-lisa train`` uses."""
-    from hf_lisa.demo_task import cached_dataset_files
-
-    return cached_dataset_files(n_train)
-
-
 def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False,
                extra_callbacks: Sequence = ()) -> dict:
     """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data.
@@ -102,13 +95,22 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
 
     allocator = apply_cpu_allocator(preset.cpu_allocator, on_cpu=device_name == "cpu")  # as hf-lisa train does
 
-    # -- data: the bundled task unless --data names a file -------------------------------------------------------------
+    # -- data: the preset's task (benchmarks/tasks.py) unless --data names a file ---------------------------------------
+    from benchmarks import tasks as tasks_lib
+
+    task = tasks_lib.TASKS[preset.task]
     bundled = preset.data is None
+    seq_cls = bundled and task.head == "seq-cls"
     if bundled:
-        train_file, validation_file = _bundled_task_files()
+        train_file, validation_file = tasks_lib.task_files(preset.task)
     else:
         train_file, validation_file = preset.data, None
-    raw = data_lib.load_raw_datasets(train_file=train_file, validation_file=validation_file, seed=preset.seed)
+    if seq_cls:  # text + label rows: no chat rendering, no causal-LM format detection
+        import datasets
+
+        raw = datasets.load_dataset("json", data_files={"train": train_file, "validation": validation_file})
+    else:
+        raw = data_lib.load_raw_datasets(train_file=train_file, validation_file=validation_file, seed=preset.seed)
     if "validation" not in raw:
         raise ValueError(f"--data {preset.data!r} gave no validation split; the benchmark needs one for eval loss.")
     n_train = min(len(raw["train"]), preset.steps * preset.batch_size)
@@ -120,8 +122,15 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     # -- model ---------------------------------------------------------------------------------------------------------
     model_args = ModelArguments(model_name_or_path=preset.model, torch_dtype=preset.dtype, **spec.model_overrides)
     path, base_model_id = resolve_model_path(model_args)
-    model, tokenizer = load_model_and_tokenizer(model_args, path)
-    tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
+    if seq_cls:
+        model, tokenizer = tasks_lib.load_seq_cls(path, task.num_labels, preset.dtype, preset.seed)
+        tokenized = tasks_lib.tokenize_classification(raw, tokenizer, preset.seq_len)
+        report = data_lib.TokenizationReport(data_format="text+label", kept={k: len(v) for k, v in tokenized.items()})
+        collator = transformers.DataCollatorWithPadding(tokenizer)
+    else:
+        model, tokenizer = load_model_and_tokenizer(model_args, path)
+        tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
+        collator = data_lib.data_collator(tokenizer)
     lisa_args = LisaArguments(
         method=spec.train_method,
         lisa_activated_layers=preset.lisa_activated_layers,
@@ -221,7 +230,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         train_dataset=tokenized["train"],
         eval_dataset=tokenized["validation"],
         processing_class=tokenizer,
-        data_collator=data_lib.data_collator(tokenizer),
+        data_collator=collator,
         callbacks=[recorder] + callbacks + list(extra_callbacks),
         chunked_loss=preset.chunked_loss,
         cpu_allocator=preset.cpu_allocator,
@@ -231,7 +240,8 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     # -- the same generation prompts before (once per run) and after ---------------------------------------------------
     chat = data_lib.use_chat_template(tokenizer, "auto")
     gen_rows: list[dict] = []
-    if bundled and preset.exact_match_samples and report.data_format in ("prompt_completion", "messages"):
+    if (bundled and not seq_cls and preset.exact_match_samples
+            and report.data_format in ("prompt_completion", "messages")):
         gen_rows = generation_rows(generation_source, report.data_format, DataArguments(), preset.exact_match_samples)
 
     def exact_match() -> tuple[float, float]:
@@ -239,7 +249,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         score, _ = generation_exact_match(
             # one batch for the preset's 32 prompts: 0.85x the time of two batches of 16 (1 thread, SmolLM2-135M)
             trainer.model, tokenizer, gen_rows, chat, max_new_tokens=32, batch_size=32,
-            answer_pattern=r"####\s*(-?\d+)", lenient=True,
+            answer_pattern=task.answer_pattern, lenient=task.answer_pattern is not None,
         )
         return score, time.perf_counter() - started
 
@@ -252,6 +262,8 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         trainer.evaluate()
     if gen_rows:
         result["exact_match"], result["exact_match_seconds"] = exact_match()
+    if seq_cls:  # the classification task's exact match: argmax accuracy on the eval rows
+        result["exact_match"] = tasks_lib.classification_accuracy(trainer.model, tokenized["validation"], collator)
 
     steps = recorder.steps
     eval_steps = {s for s, _ in recorder.evals}
@@ -291,7 +303,8 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "peft": peft.__version__, "python": platform.python_version()},
             "model": base_model_id,
-            "data": "bundled arithmetic task" if bundled else preset.data,
+            "data": task.description if bundled else preset.data,
+            "task": preset.task if bundled else None,
             "data_format": report.data_format,
             "train_rows": report.kept.get("train"),
             "eval_rows": report.kept.get("validation"),
@@ -515,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
                         "default: the bundled arithmetic task. 5%% is held out for eval loss.")
+    parser.add_argument("--task", choices=("arithmetic", "instructions", "classification"),
+                        help="A task of benchmarks/tasks.py when --data is not given (default: the preset's, "
+                        "arithmetic); classification trains a sequence-classification head.")
     parser.add_argument("--steps", type=int, help="Optimizer steps per method.")
     parser.add_argument("--seq-len", type=int, dest="seq_len", help="max_seq_length of tokenisation.")
     parser.add_argument("--batch-size", type=int, dest="batch_size", help="Sequences per optimizer step.")
@@ -550,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
     preset = PRESETS[ns.preset]
     overrides = {k: getattr(ns, k) for k in (
-        "model", "data", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
+        "model", "data", "task", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
         "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter", "lisa_activated_layers",
         "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
     if ns.chunked_loss is not None:

@@ -58,7 +58,7 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     model was loaded)."""
     import torch
 
-    from benchmarks.compare import _bundled_task_files
+    from benchmarks.tasks import task_files
     from benchmarks.measure import current_rss_bytes
     from hf_lisa.optim.in_backward import AdamWInBackward
     from hf_lisa.train import ModelArguments, load_model_and_tokenizer, resolve_model_path
@@ -70,7 +70,7 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     libc.mallinfo2.restype = _MallInfo2
     allocator = apply_cpu_allocator(cpu_allocator, on_cpu=True)
     torch.manual_seed(seed)
-    train_file, validation_file = _bundled_task_files()
+    train_file, validation_file = task_files("arithmetic")
     raw = data_lib.load_raw_datasets(train_file=train_file, validation_file=validation_file, seed=seed)
     raw["train"] = raw["train"].select(range(steps * batch_size))
     rss0, used0 = current_rss_bytes(), _malloc_in_use(libc)

@@ -106,6 +106,14 @@ def badam_state_bytes(block_params) -> int:
     return sum(8 * p.numel() + 4 for p in block_params)
 
 
+def classification_heads(model) -> list[str]:
+    """Names of a classification model's head modules (``score`` of ``*ForSequenceClassification`` decoders,
+    ``classifier`` of encoders); none for a causal LM."""
+    if not type(model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        return []
+    return [name for name, _ in model.named_children() if name in ("score", "classifier")]
+
+
 def galore_targets(model) -> set[int]:
     """``id`` of the weights GaLore projects: ``nn.Linear`` modules matching :data:`GALORE_TARGET_MODULES`, as
     transformers selects them (a regex must match the whole module name)."""
@@ -207,6 +215,11 @@ def setup_peer(peer: str, model, inventory, preset, learning_rate: float, device
         import torch
         from badam import BlockOptimizer
 
+        # a classification model's fresh head (``score``/``classifier``) trains throughout, through BlockOptimizer's
+        # own ``active_modules`` (the modules "always active during optimization"): frozen, it would stay random
+        heads = classification_heads(model)
+        settings["active_modules"] = heads
+
         base = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0,
                                  fused=device_name == "cuda" or None)
         with warnings.catch_warnings():  # "BAdam expect model to be loaded in fp16/bf16": said in the table instead
@@ -220,13 +233,16 @@ def setup_peer(peer: str, model, inventory, preset, learning_rate: float, device
                 verbose=settings["verbose"],
                 include_embedding=settings["include_embedding"],
                 include_lm_head=settings["include_lm_head"],
+                active_modules=[name + "." for name in heads],
             )
         tracker = BAdamTracker(optimizer, inventory.block_names)
+        head_params = [p for n, p in model.named_parameters() if any(n.startswith(h + ".") for h in heads)]
         return PeerSetup(
             name=peer, optimizers=(optimizer, None), training_overrides={}, settings=settings,
-            activation_kind="lisa-blocks", head_trains=False, tracker=tracker,
+            activation_kind="lisa-blocks", head_trains=bool(heads), tracker=tracker,
             state_formula=None,
-            expected_state=lambda active: sum(badam_state_bytes(inventory.block_base[b]) for b in set(active)),
+            expected_state=lambda active: sum(badam_state_bytes(inventory.block_base[b]) for b in set(active))
+            + badam_state_bytes(head_params),
         )
     if peer == "galore":
         targets = galore_targets(model)

@@ -70,6 +70,14 @@ METHODS: dict[str, MethodSpec] = {
             description="LISA adapters, 40% 2x2 block sparsity",
         ),
         MethodSpec(
+            "lisa-adapter-mixed", "lisa-adapter", "adapter",
+            lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2",
+                            "sparsity_pattern": {"o_proj": 0.0, "gate_proj": 0.0, "up_proj": 0.0, "down_proj": 0.0},
+                            "rank_pattern": {"o_proj": 8, "gate_proj": 8, "up_proj": 8, "down_proj": 8}},
+            description="the design's mixed recipe: LISA adapters 40% 2x2-block sparse on q/k/v, dense rank 8 on "
+            "o_proj and the FFN",
+        ),
+        MethodSpec(
             "lisa-adapter-interp", "lisa-adapter", "adapter", lisa_overrides={"layer_interpolation": True},
             description="LISA adapters (dense) + layer interpolation",
         ),
@@ -128,7 +136,9 @@ class Preset:
 
     Args:
         model: model path or Hub id; ``None`` is the embedded SmolLM2-135M-Instruct.
-        data: training file (any format ``hf_lisa.train`` accepts); ``None`` is the bundled arithmetic task.
+        data: training file (any format ``hf_lisa.train`` accepts); ``None`` is the preset's ``task``.
+        task: a task of ``benchmarks/tasks.py`` (``arithmetic``, ``instructions``, ``classification``) when ``data``
+            is ``None``.
         steps: optimizer steps per method.
         batch_size: sequences per optimizer step (no gradient accumulation).
         seq_len: ``max_seq_length`` of tokenisation; batches are padded to their longest row, as in ``hf-lisa train``.
@@ -159,6 +169,7 @@ class Preset:
     name: str
     model: Optional[str] = None
     data: Optional[str] = None
+    task: str = "arithmetic"
     steps: int = 40
     batch_size: int = 4
     seq_len: int = 128

@@ -20,7 +20,7 @@ from typing import Callable, Collection, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-ADAPTER_MARKERS = ("lora_", "lisa_")
+ADAPTER_MARKERS = ("lora_", "lisa_", "modules_to_save")  # the last: PEFT's trainable copy of a classification head
 #: AdamW's per-tensor ``step`` counter: a float32 scalar tensor (fused or not)
 ADAMW_STEP_BYTES = 4
 
@@ -74,7 +74,8 @@ def _numel(params: Iterable[torch.Tensor]) -> int:
 
 
 def is_adapter_parameter(name: str) -> bool:
-    """Adapter parameters are named ``lora_*`` (PEFT LoRA) or ``lisa_*`` (hf-lisa) somewhere in their path."""
+    """Adapter parameters are named ``lora_*`` (PEFT LoRA) or ``lisa_*`` (hf-lisa) somewhere in their path, or are
+    PEFT's trainable ``modules_to_save`` copy of a module (a ``SEQ_CLS`` model's ``score`` head)."""
     return any(marker in part for part in name.split(".") for marker in ADAPTER_MARKERS)
 
 

@@ -126,3 +126,30 @@ def test_a_few_lisa_steps_train_exactly_the_sampled_blocks(family, tmp_path):
         assert isinstance(callback, LisaAdapterCallback)
         assert all("lisa_" in n for n in changed), sorted(n for n in changed if "lisa_" not in n)
         assert {block_of(n, prefix) for n in changed if ".lisa_B." in n} == sampled
+
+
+@pytest.mark.parametrize("method", ["lora", "lisa-adapter"])
+def test_apply_method_wraps_a_classification_model_with_its_head_trainable(method, tmp_path):
+    """``apply_method`` gives PEFT the model's task type (SEQ_CLS here), so PEFT trains and saves the fresh ``score``
+    head in full; wrapped as a causal LM, the head would stay frozen at its random init and be lost on save."""
+    from peft import PeftModel
+
+    from hf_lisa.train import LisaArguments
+    from hf_lisa.train.methods import peft_task_type
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TEXT, num_labels=3))
+    assert peft_task_type(model) == "SEQ_CLS" and peft_task_type(tiny("llama3_lisa")) == "CAUSAL_LM"
+    wrapped, _ = apply_method(model, LisaArguments(method=method, r=4, lisa_activated_layers=2), seed=0)
+    assert wrapped.peft_config["default"].task_type == "SEQ_CLS"
+    head = [n for n, p in wrapped.named_parameters() if p.requires_grad and "score" in n]
+    assert head == ["base_model.model.score.modules_to_save.default.weight"]
+    with torch.no_grad():
+        wrapped.base_model.model.score.modules_to_save["default"].weight.add_(1.0)  # as if trained
+    wrapped.save_pretrained(tmp_path)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.manual_seed(0)  # the same base weights
+    reloaded = PeftModel.from_pretrained(
+        transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TEXT, num_labels=3)), tmp_path)
+    with torch.no_grad():  # eval mode: a LISA adapter refuses a training forward without its schedule
+        torch.testing.assert_close(reloaded.eval()(input_ids=ids).logits, wrapped.eval()(input_ids=ids).logits)

@@ -69,6 +69,18 @@ _SUMMARY_NAMES = {
 }
 
 
+#: PEFT task types by the model class's head suffix; any other model is wrapped as a causal LM
+_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
+               "ForQuestionAnswering": "QUESTION_ANS"}
+
+
+def peft_task_type(model) -> str:
+    """PEFT's ``task_type`` for ``model``: ``SEQ_CLS`` for a ``*ForSequenceClassification`` (PEFT then trains and saves
+    its ``score``/``classifier`` head in full), ``TOKEN_CLS``, ``QUESTION_ANS``, else ``CAUSAL_LM``."""
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), "CAUSAL_LM")
+
+
 def _always_trainable(lisa_args: LisaArguments) -> list[str]:
     return [v for v in (lisa_args.lisa_always_trainable or []) if v.lower() != "none"]
 
@@ -119,11 +131,11 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
 
         from ..tuner.config import LisaConfig
 
-        peft_model = get_peft_model(model, LisaConfig(task_type="CAUSAL_LM", **settings))
+        peft_model = get_peft_model(model, LisaConfig(task_type=peft_task_type(model), **settings))
         callback = LisaAdapterCallback(seed=seed, optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
         return peft_model, [callback]
 
     from peft import LoraConfig
 
     lora = {LORA_CONFIG_NAMES[name]: value for name, value in settings.items() if name in LORA_CONFIG_NAMES}
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", use_dora=method.use_dora, **lora)), []
+    return get_peft_model(model, LoraConfig(task_type=peft_task_type(model), use_dora=method.use_dora, **lora)), []
