@@ -9,7 +9,7 @@ Reported at each method's best rate, over seeds (mean, and the min-max spread):
 
 * **equal steps**: the final eval loss;
 * **equal time**: the eval loss reached after the training time of the fastest method's run (each run's curve
-  interpolated against its own measured step times; evaluations excluded);
+  interpolated against its own steps' CPU seconds, which two runs side by side do not inflate; evaluations excluded);
 * **equal memory**: each method's peak RSS, and the best eval loss any method reaches within that peak (a method is
   on the memory frontier when nothing that needs less memory does better).
 
@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # `python benchmarks/value.py`: make `benchmarks`
 
 from benchmarks.presets import METHODS, PRESETS  # noqa: E402
 from benchmarks.report import GIB, final_eval_loss, peak_memory_bytes  # noqa: E402
-from benchmarks.sweep import LR_GRID, eval_loss_at_time, training_seconds  # noqa: E402
+from benchmarks.sweep import LR_GRID  # noqa: E402
 from benchmarks.tasks import TASKS  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -119,6 +119,29 @@ def execute(run: Run, study: StudyPreset, work_dir: str, in_process: bool = Fals
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------------------
+def training_seconds(result: dict) -> float:
+    """The run's training time: its steps' CPU seconds summed (evaluations excluded). CPU time, not wall time: with
+    two runs side by side on a shared machine it is what the run itself spent, and with one thread per run it equals
+    the wall time of an undisturbed run."""
+    return sum(row["cpu_seconds"] for row in result["steps"])
+
+
+def eval_loss_at_time(result: dict, seconds: float) -> Optional[float]:
+    """The eval loss the run had reached after ``seconds`` of training (:func:`training_seconds`'s clock), linear
+    between evaluations."""
+    elapsed, clock = 0.0, {0: 0.0}
+    for row in result["steps"]:
+        elapsed += row["cpu_seconds"]
+        clock[row["step"]] = elapsed
+    points = [(clock[step], loss) for step, loss in result["evals"] if step in clock]
+    if not points or seconds < points[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if t0 <= seconds <= t1:
+            return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0) if t1 > t0 else l1
+    return points[-1][1]
+
+
 def _runs(results: Sequence[dict], model, task, method=None, lr=None, seed=None) -> list[dict]:
     return [r for r in results if r.get("ok") and r["run"]["model"] == model and r["run"]["task"] == task
             and (method is None or r["run"]["method"] == method) and (lr is None or r["run"]["lr"] == lr)
@@ -147,7 +170,7 @@ def summarise(results: Sequence[dict], model, task, methods: Sequence[str]) -> d
         rows[method] = {"lr": lr, "runs": runs, "seeds": sorted(r["run"]["seed"] for r in runs),
                         "final": _spread([final_eval_loss(r) for r in runs]),
                         "train_seconds": statistics.fmean(training_seconds(r) for r in runs),
-                        "s_per_step": statistics.fmean(r["timing"]["median_step_seconds"] for r in runs),
+                        "s_per_step": statistics.fmean(r["timing"]["median_step_cpu_seconds"] for r in runs),
                         "peak_bytes": max(peak_memory_bytes(r) for r in runs),
                         "state_bytes": max(r["optimizer_state"]["max_bytes"] for r in runs),
                         "start": statistics.fmean(r["evals"][0][1] for r in runs),
@@ -184,11 +207,11 @@ def render(report: dict) -> str:
             summary = summarise(results, model, task, report["methods_by_task"][task])
             rows = summary["rows"]
             lines += [f"## {task} — {model or 'SmolLM2-135M-Instruct (embedded)'}", "",
-                      f"{TASKS[task].description}. Equal time = {summary['horizon'] or 0:.0f} s of training (the "
-                      "fastest method's mean run).", "",
+                      f"{TASKS[task].description}. Equal time = {summary['horizon'] or 0:.0f} CPU seconds of training "
+                      "(the fastest method's mean run; evaluations excluded).", "",
                       "| method | best lr (seed-0 loss per lr) | eval loss, equal steps: mean (min–max) | "
                       "eval loss, equal time | peak RSS GiB | opt. state MiB | best within this memory | "
-                      "s/step | " + ("accuracy" if TASKS[task].head == "seq-cls" else "exact match") + " |",
+                      "CPU s/step | " + ("accuracy" if TASKS[task].head == "seq-cls" else "exact match") + " |",
                       "|---|---|---|---|--:|--:|---|--:|--:|"]
             lora = rows.get("lora")
             for method, row in sorted(rows.items(), key=lambda kv: kv[1]["final"]["mean"]):
@@ -265,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "grids, comma-separated.")
     parser.add_argument("--in-process", action="store_true", help="Run in this process, one at a time (smoke test; "
                                                                    "peak memory is then shared).")
+    parser.add_argument("--from-json", dest="from_json", help="Render the tables and plot of a finished study's JSON "
+                                                              "again (nothing is run).")
     parser.add_argument("--output-dir", default=str(RESULTS_DIR))
     parser.add_argument("--name", help="File stem (default: <date>-value).")
     return parser
@@ -281,6 +306,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ns = parser.parse_args(argv)
     for name in ("steps", "seeds", "jobs"):
         _positive(parser, name, getattr(ns, name))
+    if ns.from_json:
+        report = json.loads(Path(ns.from_json).read_text())
+        stem = ns.name or Path(ns.from_json).stem
+        out = Path(ns.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.md").write_text(text := render(report))
+        if os.path.abspath(out / f"{stem}.json") != os.path.abspath(ns.from_json):
+            (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        plot(report, out / f"{stem}.png")
+        print(text)
+        return report
     study = STUDIES[ns.preset]
     models = tuple(None if m.strip() == "embedded" else m.strip() for m in ns.models.split(",")) if ns.models \
         else study.models

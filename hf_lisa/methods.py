@@ -11,7 +11,9 @@ A method is described by what it *is*, not by a branch per name elsewhere:
 * ``schedule``: which LISA schedule runs it: ``"blocks"`` (full-parameter LISA, ``LisaCallback``: E+H+γL), ``"adapter"``
   (``LisaAdapterCallback`` over ``LisaConfig`` adapters), or ``None``;
 * ``defaults``: the settings whose default depends on the method (γ: 2 blocks for full-parameter LISA, which needs at
-  least one; 0 for the adapter form, where every block's adapter trains and no schedule is needed).
+  least one; 0 for the adapter form, where every block's adapter trains and no schedule is needed);
+* ``learning_rate``: ``hf-lisa train``'s learning rate when neither the command line nor the config file sets one
+  (``None``: the Trainer's 5e-5). Chosen on the value study (``benchmarks/value.py``; docs/benchmarks.md).
 
 A new method is one more :class:`Method` in :data:`METHODS`; ``hf_lisa.train.methods.apply_method`` builds it from
 these fields.
@@ -36,6 +38,9 @@ from .errors import UsageError
 FULL_LISA_ACTIVATED_LAYERS = 2
 #: γ of LISA adapters when none is given: every block's adapter trains, no layer schedule
 ADAPTER_ACTIVATED_LAYERS = 0
+#: the learning rate of the adapter methods when none is given (the Trainer's 5e-5 is below every rate the value
+#: study tried for adapters, and the lowest it tried, 2e-4, was the worst on every task for LoRA: docs/benchmarks.md)
+ADAPTER_LEARNING_RATE = 5e-4
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Method:
     use_dora: bool = False
     schedule: Optional[str] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    learning_rate: Optional[float] = None
 
     @property
     def is_adapter(self) -> bool:
@@ -83,9 +89,11 @@ METHODS: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
            defaults=MappingProxyType({"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS})),
     Method("lisa-adapter", "LISA adapters: sparse low-rank updates, layerwise sampled",
            "LISA PEFT adapters: sparsity, interpolation, sampling", adapter_type="LISA", schedule="adapter",
-           defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS})),
-    Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA"),
-    Method("dora", "DoRA", "PEFT DoRA (LoRA with use_dora)", adapter_type="LORA", use_dora=True),
+           defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS}),
+           learning_rate=ADAPTER_LEARNING_RATE),
+    Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA", learning_rate=ADAPTER_LEARNING_RATE),
+    Method("dora", "DoRA", "PEFT DoRA (LoRA with use_dora)", adapter_type="LORA", use_dora=True,
+           learning_rate=ADAPTER_LEARNING_RATE),
     Method("full", "full fine-tuning", "every weight trains"),
 )})
 #: the method ``hf-lisa train`` runs when none is given

@@ -193,3 +193,32 @@ def test_lisa_options_are_generated_from_lisa_config():
 def _default(option: str):
     f = next(f for f in dataclasses.fields(LisaArguments) if f.name == option)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_learning_rate_defaults_to_the_methods_own_below_file_and_command_line(tmp_path, method):
+    """Without ``--learning_rate`` each method trains at its registry rate (the Trainer's 5e-5 where it has none); a
+    config file's value and the command line's win, whichever way the flag is spelled; the demo's defaults too."""
+    from hf_lisa.methods import get_method
+
+    out = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--method", method]
+    own = get_method(method).learning_rate
+    assert parse_args(out)[3].learning_rate == (own if own is not None else 5e-5)
+    assert parse_args(out + ["--learning_rate", "3e-6"])[3].learning_rate == 3e-6
+    assert parse_args(out + ["--learning-rate=4e-6"])[3].learning_rate == 4e-6
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"method": method, "learning_rate": 7e-6}))
+    assert parse_args([str(config)] + out[:4])[3].learning_rate == 7e-6
+    config.write_text(yaml.safe_dump({"method": method}))  # the method from the file: its own rate still applies
+    assert parse_args([str(config)] + out[:4])[3].learning_rate == (own if own is not None else 5e-5)
+    assert parse_args(out, defaults={"learning_rate": 2e-4})[3].learning_rate == 2e-4  # what the demo passes
+
+
+def test_adapters_default_to_a_higher_learning_rate_than_full_parameter_methods(tmp_path):
+    """The value study's finding (docs/benchmarks.md): adapters need a higher rate than the Trainer's 5e-5."""
+    from hf_lisa.methods import METHODS as TABLE
+
+    out = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--method"]
+    adapters = {parse_args(out + [m])[3].learning_rate for m, spec in TABLE.items() if spec.is_adapter}
+    full = {parse_args(out + [m])[3].learning_rate for m, spec in TABLE.items() if not spec.is_adapter}
+    assert min(adapters) > max(full) > 0

@@ -301,6 +301,12 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
             f"{source}: unknown option(s) {_suggest(unknown)}. Run `hf-lisa config-reference` for the full list."
         )
     parser.set_defaults(**typed_file_values(parser, defaults, source))  # typed as on the command line
+    own = {name: m.learning_rate for name, m in METHODS.items() if m.learning_rate is not None}
+    if own and "learning_rate" not in defaults:
+        action = next(a for a in parser._actions if a.dest == "learning_rate")
+        action.help = (f"The initial learning rate for the optimizer. Default: each method's own "
+                       f"({', '.join(f'{n} {v:g}' for n, v in own.items())}; the others %(default)s), below a "
+                       "config file's value and the command line's.")
     return parser
 
 
@@ -329,7 +335,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
         values.update(load_config_file(source))
     parser = build_parser(values, source)
     argv = attach_negative_values(argv)
-    check_deepspeed_file(getattr(parser.parse_known_args(argv)[0], "deepspeed", None))
+    known = parser.parse_known_args(argv)[0]
+    check_deepspeed_file(getattr(known, "deepspeed", None))
+    rate = method_learning_rate(getattr(known, "method", None))
+    if rate is not None and "learning_rate" not in values and not _on_command_line(argv, "learning_rate"):
+        values["learning_rate"] = rate  # the method's own default, below the file and the command line
+        parser = build_parser(values, source)
     *parsed, remaining = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True, look_for_args_file=False
     )
@@ -343,6 +354,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
     model_args, data_args, lisa_args, training_args = parsed
     validate_args(model_args, data_args, lisa_args, training_args)
     return model_args, data_args, lisa_args, training_args
+
+
+def method_learning_rate(name: Any) -> Optional[float]:
+    """The learning rate method ``name`` trains with when none is given (``None``: the Trainer's default, or an
+    unknown name, which validation refuses later)."""
+    method = METHODS.get(name) if isinstance(name, str) else None
+    return method.learning_rate if method is not None else None
+
+
+def _on_command_line(argv: Sequence[str], name: str) -> bool:
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(token.split("=", 1)[0] in spellings for token in argv)
 
 
 def validate_args(model_args, data_args, lisa_args, training_args) -> None:
