@@ -338,13 +338,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # read by each run's torch at start
     grid = dict(LR_GRID)
     if ns.lr_grid:
+        allowed = ("comma-separated positive numbers, or per family 'adapter=5e-4,1e-3;full-parameter=1e-4'")
         try:
-            rates = tuple(float(v) for v in ns.lr_grid.split(","))
+            parts = [p.split("=", 1) if "=" in p else [None, p] for p in ns.lr_grid.split(";")]
+            given = {family: tuple(float(v) for v in rates.split(",")) for family, rates in parts}
         except ValueError:
-            parser.error(f"--lr-grid={ns.lr_grid!r} is invalid; allowed: comma-separated positive numbers.")
-        if not rates or min(rates) <= 0:
-            parser.error(f"--lr-grid={ns.lr_grid!r} is invalid; allowed: comma-separated positive numbers.")
-        grid = {family: rates for family in grid}
+            parser.error(f"--lr-grid={ns.lr_grid!r} is invalid; allowed: {allowed}.")
+        if None in given:
+            given = {family: given[None] for family in grid}
+        if set(given) - set(grid) or any(not r or min(r) <= 0 for r in given.values()):
+            parser.error(f"--lr-grid={ns.lr_grid!r} is invalid; allowed: {allowed}.")
+        grid.update(given)
     if ns.in_process:
         study = StudyPreset(**{**study.__dict__, "jobs": 1})
     search = [Run(m, t, meth, lr, study.seeds[0]) for m in models for t in tasks for meth in by_task[t]

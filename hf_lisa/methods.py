@@ -38,9 +38,12 @@ from .errors import UsageError
 FULL_LISA_ACTIVATED_LAYERS = 2
 #: γ of LISA adapters when none is given: every block's adapter trains, no layer schedule
 ADAPTER_ACTIVATED_LAYERS = 0
-#: the learning rate of the adapter methods when none is given (the Trainer's 5e-5 is below every rate the value
-#: study tried for adapters, and the lowest it tried, 2e-4, was the worst on every task for LoRA: docs/benchmarks.md)
+#: the learning rate of the adapter methods when none is given: LoRA's best of {2e-4, 5e-4, 1.5e-3} on all three
+#: tasks of the value study (the Trainer's 5e-5 is below every rate it tried; docs/benchmarks.md)
 ADAPTER_LEARNING_RATE = 5e-4
+#: full-parameter LISA's learning rate when none is given: its best of {3e-5, 1e-4, 3e-4} was 1e-4 on two tasks of the
+#: value study and 3e-4 on the third; 3e-5, the closest to the Trainer's 5e-5, was the worst on all three
+FULL_LISA_LEARNING_RATE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class Method:
 METHODS: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("lisa", "full-parameter LISA: sampled blocks train in place",
            "full-parameter layerwise sampling, saves full weights", schedule="blocks",
-           defaults=MappingProxyType({"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS})),
+           defaults=MappingProxyType({"lisa_activated_layers": FULL_LISA_ACTIVATED_LAYERS}),
+           learning_rate=FULL_LISA_LEARNING_RATE),
     Method("lisa-adapter", "LISA adapters: sparse low-rank updates, layerwise sampled",
            "LISA PEFT adapters: sparsity, interpolation, sampling", adapter_type="LISA", schedule="adapter",
            defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS}),

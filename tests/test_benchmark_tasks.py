@@ -163,7 +163,9 @@ def test_value_study_selects_the_best_rate_and_aggregates_seeds(tiny_dir, tmp_pa
     (["--tasks", "poetry"], "--tasks: unknown poetry; allowed: arithmetic, instructions, classification"),
     (["--methods", "qlora"], "--methods: unknown qlora; allowed:"),
     (["--steps", "0"], "--steps=0 is invalid; allowed: an integer >= 1."),
-    (["--lr-grid", "1e-4,fast"], "--lr-grid='1e-4,fast' is invalid; allowed: comma-separated positive numbers."),
+    (["--lr-grid", "1e-4,fast"], "--lr-grid='1e-4,fast' is invalid; allowed: comma-separated positive numbers"),
+    (["--lr-grid", "lora=1e-4"], "--lr-grid='lora=1e-4' is invalid; allowed: comma-separated positive numbers, or "
+                                 "per family 'adapter=5e-4,1e-3;full-parameter=1e-4'."),
 ])
 def test_value_study_refuses_bad_options(argv, message, capsys):
     from benchmarks import value

@@ -24,16 +24,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHELL_FENCES = ("```bash", "```sh", "```shell", "```console")
-MAKE_TARGETS = ("demo", "test", "install", "bench", "test-distributed")
+MAKE_TARGETS = ("demo", "test", "install", "bench", "bench-value", "test-distributed")
 
 #: each README command (whitespace normalised) -> (tests that run it, what they run differently)
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "make demo": ((), "make target: run as written by the reader"),
     "make test": ((), "make target: run as written by CI (.ci/run)"),
-    "make bench": (
-        ("tests/test_benchmark_smoke.py"
-         "::test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_it",),
-        "benchmarks/compare.py, what `make bench` runs, on a tiny llama for 4 steps instead of the cpu-small preset",
+    "make bench-value": (
+        ("tests/test_benchmark_tasks.py::test_value_study_selects_the_best_rate_and_aggregates_seeds",),
+        "benchmarks/value.py, what `make bench-value` runs, on a tiny llama, the classification task, 2 methods, "
+        "2 rates, 2 seeds, 2 steps, in one process",
     ),
     "accelerate launch -m hf_lisa.train examples/configs/smollm2_lisa.yaml": (
         ("tests/test_train_cli.py::test_accelerate_launch_runs_the_module_with_a_yaml_config",
