@@ -128,9 +128,10 @@ def run_variants(base: Preset, variants: Sequence[Variant], in_process: bool = F
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------------------
-def training_seconds(result: dict) -> float:
-    """The run's training time: the sum of its steps' measured times (evaluations excluded)."""
-    return sum(row["seconds"] for row in result["steps"])
+def training_seconds(result: dict, clock: str = "seconds") -> float:
+    """The run's training time: the sum of its steps' measured times (evaluations excluded); ``clock`` is the steps'
+    field to sum: ``"seconds"`` (wall time) or ``"cpu_seconds"`` (the process's CPU time)."""
+    return sum(row[clock] for row in result["steps"])
 
 
 def efficiency(result: dict) -> dict[str, Optional[float]]:
@@ -144,19 +145,20 @@ def efficiency(result: dict) -> dict[str, Optional[float]]:
             "per_second": gain / seconds if seconds else None}
 
 
-def eval_points_in_time(result: dict) -> list[tuple[float, float]]:
-    """``(training seconds, eval loss)`` of each evaluation: the steps' measured times summed, evaluations excluded."""
-    elapsed, clock = 0.0, {0: 0.0}
+def eval_points_in_time(result: dict, clock: str = "seconds") -> list[tuple[float, float]]:
+    """``(training seconds, eval loss)`` of each evaluation: the steps' measured times (their ``clock`` field)
+    summed, evaluations excluded."""
+    elapsed, at = 0.0, {0: 0.0}
     for row in result["steps"]:
-        elapsed += row["seconds"]
-        clock[row["step"]] = elapsed
-    return [(clock[step], loss) for step, loss in result["evals"] if step in clock]
+        elapsed += row[clock]
+        at[row["step"]] = elapsed
+    return [(at[step], loss) for step, loss in result["evals"] if step in at]
 
 
-def eval_loss_at_time(result: dict, seconds: float) -> Optional[float]:
+def eval_loss_at_time(result: dict, seconds: float, clock: str = "seconds") -> Optional[float]:
     """The eval loss the run had reached after ``seconds`` of training (linear between evaluations; the training
     time of a step is its measured time, evaluation time excluded)."""
-    points = eval_points_in_time(result)
+    points = eval_points_in_time(result, clock)
     if not points or seconds < points[0][0]:
         return None
     for (t0, l0), (t1, l1) in zip(points, points[1:]):

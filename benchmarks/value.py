@@ -49,6 +49,7 @@ if __package__ in (None, ""):  # `python benchmarks/value.py`: make `benchmarks`
 
 from benchmarks.presets import METHODS, PRESETS  # noqa: E402
 from benchmarks.report import GIB, final_eval_loss, peak_memory_bytes  # noqa: E402
+from benchmarks import sweep  # noqa: E402
 from benchmarks.sweep import LR_GRID  # noqa: E402
 from benchmarks.tasks import TASKS  # noqa: E402
 
@@ -119,27 +120,19 @@ def execute(run: Run, study: StudyPreset, work_dir: str, in_process: bool = Fals
 # ----------------------------------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------------------------------
+#: the clock of "equal time": each step's CPU seconds. With two runs side by side on a shared machine it is what the
+#: run itself spent, and with one thread per run it equals the wall time of an undisturbed run
+CLOCK = "cpu_seconds"
+
+
 def training_seconds(result: dict) -> float:
-    """The run's training time: its steps' CPU seconds summed (evaluations excluded). CPU time, not wall time: with
-    two runs side by side on a shared machine it is what the run itself spent, and with one thread per run it equals
-    the wall time of an undisturbed run."""
-    return sum(row["cpu_seconds"] for row in result["steps"])
+    """The run's training time on :data:`CLOCK` (evaluations excluded)."""
+    return sweep.training_seconds(result, CLOCK)
 
 
 def eval_loss_at_time(result: dict, seconds: float) -> Optional[float]:
-    """The eval loss the run had reached after ``seconds`` of training (:func:`training_seconds`'s clock), linear
-    between evaluations."""
-    elapsed, clock = 0.0, {0: 0.0}
-    for row in result["steps"]:
-        elapsed += row["cpu_seconds"]
-        clock[row["step"]] = elapsed
-    points = [(clock[step], loss) for step, loss in result["evals"] if step in clock]
-    if not points or seconds < points[0][0]:
-        return None
-    for (t0, l0), (t1, l1) in zip(points, points[1:]):
-        if t0 <= seconds <= t1:
-            return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0) if t1 > t0 else l1
-    return points[-1][1]
+    """The eval loss the run had reached after ``seconds`` of training on :data:`CLOCK`."""
+    return sweep.eval_loss_at_time(result, seconds, CLOCK)
 
 
 def _runs(results: Sequence[dict], model, task, method=None, lr=None, seed=None) -> list[dict]:
