@@ -46,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:  # `python benchmarks/compare.py` puts benchm
 
 from benchmarks.measure import current_rss_bytes, make_recorder, schedule_reader, state_kind, withheld_reader  # noqa: E402
 from benchmarks.presets import METHOD_SETS, METHODS, PRESETS, Preset  # noqa: E402
+from benchmarks.tasks import TASKS  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -95,7 +96,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
 
     allocator = apply_cpu_allocator(preset.cpu_allocator, on_cpu=device_name == "cpu")  # as hf-lisa train does
 
-    # -- data: the preset's task (benchmarks/tasks.py) unless --data names a file ---------------------------------------
+    # -- data: the preset's task (benchmarks/tasks.py) unless --data names a file -------------------------------------
     from benchmarks import tasks as tasks_lib
 
     task = tasks_lib.TASKS[preset.task]
@@ -528,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
                         "default: the bundled arithmetic task. 5%% is held out for eval loss.")
-    parser.add_argument("--task", choices=("arithmetic", "instructions", "classification"),
+    parser.add_argument("--task", choices=tuple(TASKS),
                         help="A task of benchmarks/tasks.py when --data is not given (default: the preset's, "
                         "arithmetic); classification trains a sequence-classification head.")
     parser.add_argument("--steps", type=int, help="Optimizer steps per method.")
@@ -566,9 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
     preset = PRESETS[ns.preset]
     overrides = {k: getattr(ns, k) for k in (
-        "model", "data", "task", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every", "eval_samples",
-        "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter", "lisa_activated_layers",
-        "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
+        "model", "data", "task", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every",
+        "eval_samples", "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter",
+        "lisa_activated_layers", "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
     if ns.chunked_loss is not None:
         overrides["chunked_loss"] = ns.chunked_loss == "true"
     preset = preset.updated(**overrides)

@@ -23,7 +23,7 @@ Presets:
 Usage::
 
     python benchmarks/value.py --preset cpu                        # make bench-value
-    python benchmarks/value.py --preset full --models HuggingFaceTB/SmolLM2-135M-Instruct,HuggingFaceTB/SmolLM2-360M-Instruct
+    python benchmarks/value.py --preset full --models embedded,HuggingFaceTB/SmolLM2-360M-Instruct
 
 Results go to ``benchmarks/results/<date>-value.{md,json,png}``, rewritten after every run, so an interrupted study
 keeps what it finished; ``--budget-min`` stops starting runs after that many minutes (the table says what ran).
