@@ -27,7 +27,8 @@ def _common(parser: argparse.ArgumentParser, output: str) -> None:
     parser.add_argument("--base_model", "--base-model", dest="base_model", default=None,
                         help="the adapter's base model (Hub id or folder) instead of the one its config names")
     parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace an existing {output} once the new export is complete")
+                        help=f"replace an existing {output} once the new export is complete, when an earlier export "
+                        "wrote it (anything else there is named and refused, never deleted)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

@@ -2,7 +2,10 @@
 
 Outputs are staged in a private hidden sibling (``tempfile``'s 0o700 folder / 0o600 file) and get, before the rename
 into place, the modes of any file the user writes: ``0o666 & ~umask`` for files, ``0o777 & ~umask`` for folders
-(:func:`apply_umask`). Sources are read as :mod:`hf_lisa.hub.staging` reads them: a symbolic link that leads out of
+(:func:`apply_umask`). An export folder records what the export wrote in :data:`EXPORT_MANIFEST_NAME`, and
+``--overwrite`` replaces only a folder that holds nothing else (:func:`foreign_paths`; the rule of ``hf-lisa train
+--overwrite_output_dir``, issue 33 item 3): anything else is named and the export refused, before it starts and again
+when it renames its output into place. Sources are read as :mod:`hf_lisa.hub.staging` reads them: a symbolic link that leads out of
 the source folder is never followed (a warning names it; a weight or config file behind one is refused).
 """
 
@@ -14,9 +17,9 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from ..errors import UsageError
+from ..errors import RunError, UsageError
 from ..hub.load import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_SAFETENSORS_NAME, MODEL_CONFIG_NAME
 
 logger = logging.getLogger(__name__)
@@ -25,6 +28,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHECK_PROMPTS = 8
 #: ``export lora`` refuses a sparse adapter whose worst module's relative Frobenius error exceeds this, unless told
 DEFAULT_MAX_ERROR = 0.05
+#: the list of what an export wrote in its folder (hidden; not the training runs' ``.hf-lisa-manifest.json``, so that
+#: neither command takes the other's files for its own)
+EXPORT_MANIFEST_NAME = ".hf-lisa-export.json"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -95,34 +101,113 @@ def sources_of(source: Optional[str], base_model: Optional[str] = None) -> tuple
 
 
 def check_output_path(
-    out: str, sources: tuple[Optional[str], ...], overwrite: bool, what: str, is_file: bool = False
+    out: str, sources: tuple[Optional[str], ...], overwrite: bool, what: str, is_file: bool = False,
+    owned_file: Optional[Callable[[str], Optional[str]]] = None,
 ) -> None:
-    """Refuse an output that would replace one of its own sources, or a non-empty target without ``overwrite``.
+    """Refuse an output that would replace one of its own sources, a non-empty target without ``overwrite``, and
+    with ``overwrite`` a folder holding anything that no export wrote (:func:`foreign_paths`) or a file that
+    ``owned_file`` (``path -> None`` when an export wrote it, else why not) does not claim.
 
     Raises:
-        UsageError: naming the path and what is allowed.
+        UsageError: naming the path, what no export wrote, and what is allowed.
     """
     for source in sources:
         if source and os.path.exists(source) and (_same_or_inside(out, source) or _same_or_inside(source, out)):
             raise UsageError(f"{what} {out!r} is (or contains, or sits inside) the source {source!r}; choose another "
                              "path: an export never writes over what it reads.")
-    if not os.path.exists(out):
+    if not os.path.lexists(out):
         return
     if is_file and os.path.isdir(out):
         raise UsageError(f"{what} {out!r} is a directory; give a file path, e.g. {os.path.join(out, 'model.gguf')!r}.")
+    if is_file and not os.path.isfile(out):
+        raise UsageError(f"{what} {out!r} exists and is not a regular file; give another path.")
     if not is_file and not os.path.isdir(out):
         raise UsageError(f"{what} {out!r} exists and is a file; give a directory path.")
     non_empty = os.path.isfile(out) or bool(os.listdir(out))
     if non_empty and not overwrite:
         raise UsageError(f"{what} {out!r} already exists and is not empty; pass --overwrite (overwrite=True) to "
-                         "replace it once the new export is complete.")
+                         "replace what an earlier export wrote there once the new export is complete.")
+    if non_empty and is_file:
+        problem = owned_file(out) if owned_file is not None else "hf-lisa cannot tell whether an export wrote it"
+        if problem:
+            raise UsageError(f"{what} {out!r} is a file that no hf-lisa export wrote ({problem}). --overwrite "
+                             f"replaces only a file an export wrote; nothing was deleted. Move it away, or choose "
+                             f"another {what}.")
+    elif non_empty:
+        foreign = foreign_paths(out)
+        if foreign:
+            raise UsageError(foreign_refusal(out, foreign, what))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What an export wrote: EXPORT_MANIFEST_NAME
+# ----------------------------------------------------------------------------------------------------------------------
+def _walk_paths(folder: str) -> Iterator[tuple[str, bool]]:
+    """``(relative path with "/", is a folder to descend into)`` for everything under ``folder``, top-down; links
+    are entries of their own, never followed."""
+    for root, dirs, files in os.walk(folder):
+        rel_root = os.path.relpath(root, folder)
+        for name in sorted(dirs + files):
+            path = name if rel_root == "." else f"{rel_root.replace(os.sep, '/')}/{name}"
+            yield path, name in dirs and not os.path.islink(os.path.join(root, name))
+
+
+def read_export_manifest(folder: str) -> Optional[set[str]]:
+    """The paths :data:`EXPORT_MANIFEST_NAME` lists, or ``None`` when ``folder`` has none or it cannot be read."""
+    try:
+        with open(os.path.join(folder, EXPORT_MANIFEST_NAME), encoding="utf-8") as f:
+            data = json.load(f)
+        written, by = data["written"], data["written_by"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(by, str) and by.startswith("hf-lisa export") and isinstance(written, list)
+            and all(isinstance(path, str) for path in written)):
+        return None
+    return set(written)
+
+
+def foreign_paths(folder: str) -> list[str]:
+    """What ``folder`` holds that no export wrote (not listed in its :data:`EXPORT_MANIFEST_NAME`): everything, when
+    it has no manifest. A foreign folder is named once (``"data/"``), not file by file."""
+    listed = read_export_manifest(folder)
+    foreign, skip = [], []
+    for path, is_dir in _walk_paths(folder):
+        if (path == EXPORT_MANIFEST_NAME and listed is not None) or any(path.startswith(s) for s in skip):
+            continue
+        if listed is None or path not in listed:
+            foreign.append(path + "/" if is_dir else path)
+            if is_dir:
+                skip.append(path + "/")
+    return foreign
+
+
+def foreign_refusal(out: str, foreign: list[str], what: str) -> str:
+    """The message that refuses ``--overwrite`` of ``out``, naming what no export wrote there."""
+    shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+    why = "" if os.path.isfile(os.path.join(out, EXPORT_MANIFEST_NAME)) else (
+        f" (it has no {EXPORT_MANIFEST_NAME}, the record an export keeps of what it wrote: it is no export's folder, "
+        "or one from an hf-lisa version that kept none)")
+    return (f"--overwrite: {what} {out!r} holds files that no hf-lisa export wrote: {shown}{why}. --overwrite "
+            "replaces only what an export wrote there; nothing was deleted. Move those away, or choose another "
+            f"{what}.")
+
+
+def record_export(staging: str, written_by: str) -> None:
+    """Write :data:`EXPORT_MANIFEST_NAME` in the staged export ``staging``: every path in it, and who wrote it."""
+    write_json(os.path.join(staging, EXPORT_MANIFEST_NAME), {
+        "written_by": written_by, "written": [path for path, _ in _walk_paths(staging)],
+        "note": "what hf-lisa export wrote here: --overwrite replaces this folder only while it holds nothing else"})
 
 
 @contextmanager
-def staged_directory(out_dir: str) -> Iterator[str]:
-    """A hidden sibling folder of ``out_dir`` to write into; renamed to ``out_dir`` when the block completes (an
-    existing ``out_dir`` is replaced only then, and the modes follow the umask), removed when it raises. A failure
-    never leaves half an export."""
+def staged_directory(out_dir: str, written_by: str = "hf-lisa export", overwrite: bool = False) -> Iterator[str]:
+    """A hidden sibling folder of ``out_dir`` to write into; renamed to ``out_dir`` when the block completes (the
+    modes following the umask, what it holds recorded in :data:`EXPORT_MANIFEST_NAME`), removed when it raises. A
+    failure never leaves half an export.
+
+    An existing ``out_dir`` is replaced only then, after a second look at it once it is moved aside: a non-empty one
+    without ``overwrite``, or one holding anything no export wrote (written there while the export ran), is put back
+    as it was and the export refused (:class:`UsageError`)."""
     from ..train.output_dir import STAGING_PREFIX, fsync_tree  # the training outputs' staging name and flush
 
     out_dir = os.path.abspath(out_dir)
@@ -131,29 +216,53 @@ def staged_directory(out_dir: str) -> Iterator[str]:
     staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.path.basename(out_dir)}-", dir=parent)
     try:
         yield staging
+        record_export(staging, written_by)
         apply_umask(staging)
         fsync_tree(staging)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}old-{os.path.basename(out_dir)}-", dir=parent)
-            previous = os.path.join(old, "previous")
-            os.replace(out_dir, previous)
-            try:
-                os.replace(staging, out_dir)
-            except OSError:
-                os.replace(previous, out_dir)  # put the previous export back
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(out_dir):
+            _replace_directory(staging, out_dir, overwrite, STAGING_PREFIX)
         else:
             os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _replace_directory(staging: str, out_dir: str, overwrite: bool, prefix: str) -> None:
+    """Put ``staging`` in the place of the existing ``out_dir``, which is moved aside first and checked there (no
+    other program writes into it any more): deleted only when it held nothing but what an export wrote, else put
+    back untouched and the export refused."""
+    old = tempfile.mkdtemp(prefix=f"{prefix}old-{os.path.basename(out_dir)}-", dir=os.path.dirname(out_dir))
+    previous = os.path.join(old, "previous")
+    try:
+        os.replace(out_dir, previous)
+    except OSError:
+        os.rmdir(old)
+        raise
+    try:
+        if os.path.isdir(previous) and os.listdir(previous) and not overwrite:
+            raise UsageError(f"OUT_DIR {out_dir!r} was written to while the export ran; nothing was deleted and the "
+                             "new export was not written. Run it again with --overwrite, or into another OUT_DIR.")
+        foreign = foreign_paths(previous) if os.path.isdir(previous) and os.listdir(previous) else []
+        if foreign:
+            raise UsageError(foreign_refusal(out_dir, foreign, "OUT_DIR") + " (Written there while the export "
+                             "ran: the new export was not written.)")
+        os.replace(staging, out_dir)
+    except BaseException:
+        try:
+            os.replace(previous, out_dir)  # put the previous content back, as it was
+        except OSError as err:
+            raise RunError(f"could not put {out_dir!r} back in place ({err}); its previous content is kept, "
+                           f"untouched, in {previous!r}.") from err
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
-def staged_file(out_file: str) -> Iterator[str]:
+def staged_file(out_file: str, before_replace: Optional[Callable[[], None]] = None) -> Iterator[str]:
     """A hidden sibling path of ``out_file`` (same suffix) to write to; renamed to ``out_file`` (its mode following
-    the umask) when the block completes, removed when it raises."""
+    the umask) when the block completes, removed when it raises. ``before_replace`` runs just before the rename and
+    may refuse it by raising (e.g. :func:`check_output_path` again: the target may have changed meanwhile)."""
     from ..train.output_dir import STAGING_PREFIX
 
     out_file = os.path.abspath(out_file)
@@ -167,6 +276,8 @@ def staged_file(out_file: str) -> Iterator[str]:
         apply_umask(staging)
         with open(staging, "rb") as f:
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(staging, out_file)
     finally:
         if os.path.exists(staging):

@@ -32,7 +32,7 @@ from .common import (
     sources_of,
     staged_file,
 )
-from .gguf_tokenizer import TOKENS_KEY, tokenizer_metadata
+from .gguf_tokenizer import _SCALARS, _STRING, TOKENS_KEY, tokenizer_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ GGUF_TYPES = ("f16", "q8_0")
 #: transformers model_type -> (llama.cpp architecture, whether q/k rows are permuted for llama.cpp's rotary layout)
 ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False)}
 Q8_0_BLOCK = 32
+#: the metadata key (written second, after ``general.architecture``) that marks a GGUF file an hf-lisa export wrote:
+#: ``--overwrite`` replaces no other file (issue 33 item 3)
+EXPORTED_BY_KEY = "hf_lisa.exported_by"
+_HEADER_ENTRIES, _HEADER_STRING = 16, 4096  # how much of an unknown file's header is read, at most
 
 
 @dataclass
@@ -187,6 +191,7 @@ def write_gguf(model, tokenizer, path: str, gguf_type: str = "f16", *, name: Opt
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     writer = gguf.GGUFWriter(path, architecture)
+    writer.add_string(EXPORTED_BY_KEY, "hf-lisa export gguf")
     writer.add_name(name or str(getattr(config, "_name_or_path", "") or "model").rstrip("/").split("/")[-1])
     writer.add_type("model")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if gguf_type == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
@@ -216,6 +221,42 @@ def write_gguf(model, tokenizer, path: str, gguf_type: str = "f16", *, name: Opt
     return GgufExportReport(out_file=os.path.abspath(path), type=gguf_type, architecture=architecture,
                             tensors=len(tensors), size_bytes=os.path.getsize(path), tokenizer_source=tokens.source,
                             warnings=list(tokens.warnings))
+
+
+def not_exported(path: str) -> Optional[str]:
+    """``None`` when ``path`` is a GGUF file an hf-lisa export wrote (it holds :data:`EXPORTED_BY_KEY`), else why
+    not. Reads at most the first entries of the header, each of bounded size: it may be any file at all."""
+    import struct
+
+    def read(f, fmt):
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return "it is not a GGUF file"
+            if read(f, "<I") < 2:
+                return "a GGUF file of version 1, which hf-lisa never writes"
+            read(f, "<Q")  # tensor count
+            for _ in range(min(read(f, "<Q"), _HEADER_ENTRIES)):
+                length = read(f, "<Q")
+                if length > _HEADER_STRING:
+                    break
+                key, vtype = f.read(length).decode("utf-8", errors="replace"), read(f, "<I")
+                if key == EXPORTED_BY_KEY:
+                    return None
+                if vtype == _STRING:
+                    size = read(f, "<Q")
+                    if size > _HEADER_STRING:
+                        break
+                    f.read(size)
+                elif vtype in _SCALARS:
+                    read(f, _SCALARS[vtype])
+                else:  # an array: the key is written before any
+                    break
+    except (OSError, struct.error) as err:
+        return f"it cannot be read as GGUF: {err}"
+    return f"a GGUF file without the {EXPORTED_BY_KEY} key that hf-lisa writes"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -294,21 +335,24 @@ def export_gguf(
         verify_prompts: reload the file with transformers' GGUF loader and compare greedy generations with the merged
             model on this many of the demo task's held-out prompts (0: no check; ``hf-lisa export gguf`` checks 8
             unless given ``--verify_prompts 0``). The report's :meth:`~GgufExportReport.format` states the figures.
-        overwrite: replace an existing ``out_file``.
+        overwrite: replace an existing ``out_file`` that an hf-lisa export wrote (it holds
+            :data:`EXPORTED_BY_KEY`); any other file is refused, named and kept.
     """
     require_gguf()
     if gguf_type not in GGUF_TYPES:
         raise UsageError(f"type={gguf_type!r} is invalid; allowed: {GGUF_TYPES}.")
     if isinstance(verify_prompts, bool) or not isinstance(verify_prompts, int) or verify_prompts < 0:
         raise UsageError(f"verify_prompts={verify_prompts!r} is invalid; allowed: an integer >= 0.")
-    check_output_path(out_file, sources_of(source, base_model), overwrite, "OUT_FILE", is_file=True)
+    sources = sources_of(source, base_model)
+    check_output_path(out_file, sources, overwrite, "OUT_FILE", is_file=True, owned_file=not_exported)
     skipped = source_links(source)  # refuses weights behind a link out of the folder; names the others
     model, tokenizer = load_merged_model(source, base_model)
     check_supported(model.config)  # before anything is written
     if verify_prompts and tokenizer is None:
         raise UsageError("verify_prompts needs the model's tokenizer to encode the prompts; none was found. Pass "
                          "--verify_prompts 0 (verify_prompts=0) to export without the check.")
-    with staged_file(out_file) as staging:
+    recheck = lambda: check_output_path(out_file, sources, overwrite, "OUT_FILE", True, not_exported)  # noqa: E731
+    with staged_file(out_file, before_replace=recheck) as staging:  # the file may have changed while this ran
         report = write_gguf(model, tokenizer, staging, gguf_type, name=name or os.path.basename(
             os.path.normpath(source)), tokenizer_from=tokenizer_from, tokenizer_pre=tokenizer_pre)
         report.warnings += [f"skipped {link}: a symbolic link out of the source folder" for link in skipped]

@@ -336,7 +336,8 @@ def export_lora(
         check_logits: load the base model and compare the LISA and LoRA adapters' logits (the report's
             ``max_logit_diff``); an exact export that does not reproduce them within 1e-5 is an error.
         base_model: load this base for the check instead of the adapter config's ``base_model_name_or_path``.
-        overwrite: replace a non-empty ``out_dir`` (only once the new export is complete).
+        overwrite: replace a non-empty ``out_dir`` once the new export is complete, when it holds only what an
+            export wrote (its ``.hf-lisa-export.json`` lists); anything else is named and refused.
 
     Raises:
         UsageError: layer interpolation (with the reason), a non-LISA adapter, a bad path or option.
@@ -366,7 +367,7 @@ def export_lora(
 
     from ..hub.staging import TOKENIZER_FILES, _copy_inside
 
-    with staged_directory(out_dir) as staging:
+    with staged_directory(out_dir, "hf-lisa export lora", overwrite) as staging:
         lora_config.save_pretrained(staging)
         save_file(tensors, os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
         for name in sorted(TOKENIZER_FILES):

@@ -88,7 +88,8 @@ def export_merged(
         max_shard_size: largest safetensors shard.
         check_logits: compare the merged model's logits with the unmerged source's (``max_logit_diff``); a
             difference above 1e-3 is an error.
-        overwrite: replace a non-empty ``out_dir`` (only once the new export is complete).
+        overwrite: replace a non-empty ``out_dir`` once the new export is complete, when it holds only what an
+            export wrote (its ``.hf-lisa-export.json`` lists); anything else is named and refused.
 
     Raises:
         ValueError: layer interpolation (no merge can express it), or a source that is neither kind.
@@ -100,7 +101,7 @@ def export_merged(
     check_output_path(out_dir, sources_of(source, base_model), overwrite, "OUT_DIR")
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source {source!r} is not a directory (an hf-lisa train output or adapter folder).")
-    with staged_directory(out_dir) as staging:
+    with staged_directory(out_dir, "hf-lisa export merged", overwrite) as staging:
         staged = _stage_directory(source, "merged", staging, None, max_shard_size, base_model,
                                   summary_of_dir(source))
         report = MergedExportReport(out_dir=os.path.abspath(out_dir),
