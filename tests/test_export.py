@@ -520,3 +520,25 @@ def test_gguf_command_prints_its_verification(sparse, tmp_path, capsys):
     assert "100.0% of the greedy tokens equal to the source model's" in line, line
     assert main(["export", "gguf", sparse, str(tmp_path / "model.gguf"), "--overwrite", "--verify_prompts", "0"]) == 0
     assert "verification: none" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# issue 33 item 14: full weights only as a pickle are never unpickled
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["merged", pytest.param("gguf", marks=[needs_gguf, pytest.mark.gguf])])
+def test_export_never_unpickles_full_weights(kind, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_lisa.cli import main
+    from pickle_payload import save_pickled_full_model
+
+    base = AutoModelForCausalLM.from_pretrained(_save_base(tmp_path / "base"))
+    folder, marker = tmp_path / "full", tmp_path / "payload-ran"
+    weights = save_pickled_full_model(folder, marker, base, _tokenizer())
+    out = tmp_path / ("model.gguf" if kind == "gguf" else "merged")
+    assert main(["export", kind, str(folder), str(out)] + (["--skip_logit_check"] if kind == "merged" else [])) == 2
+    err = capsys.readouterr().err
+    assert "pytorch_model.bin" in err and str(folder) in err and "weights_only" not in err, err
+    assert not marker.exists() and not out.exists() and _no_partials(tmp_path)
+    torch.load(weights, weights_only=False)  # the payload is live: unpickled, it runs
+    assert marker.exists()

@@ -860,3 +860,80 @@ def test_train_push_to_hub_of_an_adapter_on_a_local_base_is_refused_before_train
     assert not (tmp_path / "out").exists()
     parse_args(argv + ["--base_model_id", BASE_REPO])  # the Hub id given: accepted
     parse_args(argv + ["--push_mode", "merged"])  # merged weights need no base to load
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# full weights as a pickle: never unpickled by a push (issue 33 item 14)
+# ----------------------------------------------------------------------------------------------------------------------
+_opened: dict = {"watch": None, "seen": []}
+
+
+def _record_opens(event, args):
+    if _opened["watch"] is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        if os.path.basename(os.fsdecode(args[0])) in _opened["watch"]:
+            _opened["seen"].append(os.fsdecode(args[0]))
+
+
+def opened_files(*names: str) -> list:
+    """The paths this process opens from now on whose file name is one of ``names`` (an audit hook; hooks cannot be
+    removed, so it stays installed and records only while watching)."""
+    if not getattr(sys, "_hf_lisa_test_open_hook", False):
+        sys.addaudithook(_record_opens)
+        sys._hf_lisa_test_open_hook = True
+    _opened.update(watch=set(names), seen=[])
+    return _opened["seen"]
+
+
+@pytest.mark.parametrize("mode", [None, "merged"])
+def test_push_never_unpickles_full_weights_and_names_the_file(mode, hub, tmp_path, monkeypatch, capsys):
+    """A full-weights folder with only ``pytorch_model.bin`` was loaded with transformers to convert it: only torch's
+    ``weights_only`` default stopped the payload. The push now refuses before opening the file, naming it and how to
+    convert it."""
+    import huggingface_hub.constants as hf_constants
+
+    from pickle_payload import save_pickled_full_model
+
+    from hf_lisa.cli import main
+
+    folder, marker = tmp_path / "full", tmp_path / "payload-ran"
+    weights = save_pickled_full_model(folder, marker, tiny_llama(), tiny_tokenizer())
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    requests = len(hub.state.requests)
+    seen = opened_files("pytorch_model.bin")
+    try:
+        status = main(["push", str(folder), "alice/pickled-full", "--token", WRITE_TOKEN]
+                      + (["--mode", mode] if mode else []))
+    finally:
+        _opened["watch"] = None
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert f"{str(folder)!r} holds its weights only as pickle (pytorch_model.bin)" in err, err
+    assert "never unpickles" in err and "save_pretrained" in err and "weights_only" not in err, err
+    assert seen == [], f"the push opened the pickle: {seen}"
+    assert not marker.exists()
+    assert len(hub.state.requests) == requests and not hub.has_repo("alice/pickled-full")
+    torch.load(weights, weights_only=False)  # the payload is live: unpickled, it runs
+    assert marker.exists()
+
+
+def test_push_of_full_weights_reads_only_the_safetensors_beside_a_pickle(hub, tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as hf_constants
+
+    from pickle_payload import save_pickled_full_model
+
+    from hf_lisa.cli import main
+
+    folder, marker = tmp_path / "full", tmp_path / "payload-ran"
+    model = tiny_llama(seed=3)
+    save_pickled_full_model(folder, marker, model, tiny_tokenizer())
+    model.save_pretrained(folder)  # model.safetensors beside the pickle
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub.url)
+    seen = opened_files("pytorch_model.bin")
+    try:
+        status = main(["push", str(folder), "alice/full-beside-pickle", "--token", WRITE_TOKEN])
+    finally:
+        _opened["watch"] = None
+    assert status == 0, capsys.readouterr().err
+    assert seen == [] and not marker.exists()
+    files = hub.files("alice/full-beside-pickle")
+    assert "model.safetensors" in files and not [name for name in files if name.endswith(PICKLE_SUFFIXES)]

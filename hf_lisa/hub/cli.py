@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------------------------
 PUSH_DESCRIPTION = (
     "Push a training output directory to the Hugging Face Hub as a LISA adapter or merged model, in one commit, with a "
-    "model card. No pickle file is uploaded."
+    "model card. No pickle file is unpickled or uploaded."
 )
 
 

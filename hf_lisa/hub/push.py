@@ -331,7 +331,8 @@ def push_to_hub(
     Raises:
         HubPushError: the Hub refused or failed the push (the message names the step and the HTTP status).
         UsageError: (a ``ValueError``) before any upload: an adapter whose base model is a local folder without a
-            known Hub id, or a weight or config file that is a symbolic link out of the output directory.
+            known Hub id, a weight or config file that is a symbolic link out of the output directory, or full
+            weights only as pickle (``pytorch_model.bin``, named; never unpickled).
         ValueError: invalid arguments, or an adapter that cannot be merged.
 
     Example:

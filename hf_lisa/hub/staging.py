@@ -39,16 +39,12 @@ logger = logging.getLogger(__name__)
 
 PUSH_MODES = ("adapter", "merged")
 
-
 DEFAULT_LOSS_PLOT = "loss.png"
-
 
 README_NAME = "README.md"
 
-
 # formats that unpickle (and can run code) when loaded; never uploaded
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib", ".npy", ".npz")
-
 
 TOKENIZER_FILES = frozenset(
     {
@@ -58,14 +54,11 @@ TOKENIZER_FILES = frozenset(
     }
 )
 
-
 ADAPTER_FILES = frozenset({ADAPTER_CONFIG_NAME, ADAPTER_SAFETENSORS_NAME})
-
 
 MERGED_FILES = frozenset(
     {MODEL_CONFIG_NAME, "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
 )
-
 
 MERGED_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
@@ -276,13 +269,10 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
         merged.save_pretrained(folder, max_shard_size=max_shard_size)
         staged.model_config = _read_json(os.path.join(folder, MODEL_CONFIG_NAME))
     else:
+        _check_safetensors_weights(src)
         model_cls = _auto_class_for_config(model_config)
-        has_safetensors = any(
-            os.path.isfile(os.path.join(src, n)) for n in ("model.safetensors", "model.safetensors.index.json")
-        )
-        if not has_safetensors:
-            logger.warning("%s has no safetensors weights; loading its own pickle weights to convert them.", src)
-        model = model_cls.from_pretrained(src, dtype="auto")
+        # safetensors only (never a pickle beside them), and never the model's own code
+        model = model_cls.from_pretrained(src, dtype="auto", use_safetensors=True, trust_remote_code=False)
         model.save_pretrained(folder, max_shard_size=max_shard_size)
         staged.model_config = _read_json(os.path.join(folder, MODEL_CONFIG_NAME))
         staged.source_base = summary.base_model or model_config.get("_name_or_path")
@@ -295,6 +285,23 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
     if staged.loss_plot:
         _copy_inside(src, staged.loss_plot, folder)
     return staged
+
+
+def _check_safetensors_weights(src: str) -> None:
+    """Refuse a full-weights folder without safetensors weights, naming its pickle weights: never unpickled (issue 33
+    item 14: converting ``pytorch_model.bin`` relied on torch's ``weights_only`` default alone to stop a payload)."""
+    if any(os.path.isfile(os.path.join(src, name)) for name in ("model.safetensors", "model.safetensors.index.json")):
+        return
+    pickles = sorted(name for name in os.listdir(src) if os.path.isfile(os.path.join(src, name))
+                     and name.startswith(("pytorch_model", "model")) and _is_pickle(name.removesuffix(".index.json")))
+    if not pickles:
+        raise FileNotFoundError(f"{src!r} has {MODEL_CONFIG_NAME} but no model.safetensors: no weights to push.")
+    raise UsageError(
+        f"{src!r} holds its weights only as pickle ({', '.join(pickles)}), which hf-lisa never unpickles: loading a "
+        "pickle can run any code it carries. If you trust the file, convert it once to safetensors, e.g. "
+        f"`AutoModelForCausalLM.from_pretrained({src!r}).save_pretrained({src!r})` (transformers writes "
+        "model.safetensors), then run this again."
+    )
 
 
 def _stage_peft_model(model, mode: Optional[str], folder: str, tokenizer, max_shard_size,
