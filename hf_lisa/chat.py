@@ -6,7 +6,7 @@ ends it with exit status 130. On a terminal, a ``>>>`` prompt is shown (with lin
 stderr; with stdin piped, stdout holds the replies only, one per turn, each ending in a newline, so that
 ``printf 'Hi\\n/reset\\nHello\\n' | hf-lisa chat outputs --temperature 0`` is a script's check of a fine-tune. Without a
 chat template (``--chat_template never``, or a base model's tokenizer) each line is completed as raw text and no
-conversation is kept.
+conversation is kept. A line that is not UTF-8 is skipped with a note on stderr; the chat goes on.
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ def _read_turn(stdin: IO[str], interactive: bool) -> Optional[str]:
     return None if line == "" else line.rstrip("\r\n")
 
 
+def _undecodable(line: str) -> bool:
+    """Whether ``line`` holds bytes that were not UTF-8 (read with ``surrogateescape``: lone surrogates)."""
+    return any("\udc80" <= char <= "\udcff" for char in line)
+
+
 def run_chat(loaded: LoadedModel, settings: GenerationSettings, stdin: IO[str], stdout: IO[str],
              interactive: Optional[bool] = None) -> int:
     """The REPL: read turns from ``stdin`` until ``/exit`` or its end, stream each reply to ``stdout``; returns 0.
@@ -75,10 +80,16 @@ def run_chat(loaded: LoadedModel, settings: GenerationSettings, stdin: IO[str], 
         print(f"Chatting with {loaded.description}{mode}. {RESET} clears the conversation, {EXIT[0]} or Ctrl-D ends.",
               file=sys.stderr, flush=True)
     history: list[dict] = []
+    number = 0
     while True:
         line = _read_turn(stdin, interactive)
         if line is None:
             break
+        number += 1
+        if _undecodable(line):
+            print(f"line {number} of the input is not UTF-8 text (undecodable bytes); it was skipped: send it again as "
+                  "UTF-8.", file=sys.stderr, flush=True)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -115,4 +126,6 @@ def chat_command(args: argparse.Namespace) -> int:
     loaded = load_sources(sources, device=args.device, torch_dtype=args.torch_dtype, chat_template=args.chat_template,
                           system=args.system)
     seed_everything(settings.seed)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become a note and a skipped line, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     return run_chat(loaded, settings, sys.stdin, sys.stdout)

@@ -125,6 +125,7 @@ class Sources:
     model: Optional[str] = None
     adapter: Optional[str] = None
     base: Optional[str] = None
+    recorded: bool = False  # ``base`` is what the adapter's adapter_config.json records (errors name that file)
 
     def describe(self) -> str:
         return self.model if self.adapter is None else f"{self.adapter} on {self.base or 'its recorded base'}"
@@ -185,18 +186,21 @@ def recorded_run(folder: Optional[str]) -> dict:
 
 
 def find_base(adapter_dir: str) -> str:
-    """The base model of a local adapter: the folder or Hub id its ``adapter_config.json`` records, else what its
-    ``training_summary.json`` says the run loaded (the embedded SmolLM2 when the run named no model).
+    """The base model of a local adapter: the folder or Hub id its ``adapter_config.json`` records (a relative path
+    from the adapter's folder, never from the current directory), else what its ``training_summary.json`` says the run
+    loaded (the embedded SmolLM2 when the run named no model).
 
     Raises:
-        UsageError: neither names a base that exists here, naming what was recorded and ``--base``.
+        UsageError: neither names a base that exists here, naming the adapter's config file, what it records and
+            ``--base``.
     """
+    from .hub.load import recorded_base
+
+    config_file = os.path.join(adapter_dir, ADAPTER_CONFIG_NAME)
     recorded = _read_json(adapter_dir, ADAPTER_CONFIG_NAME).get("base_model_name_or_path")
-    if isinstance(recorded, str) and recorded:
-        if os.path.isdir(recorded):
-            return recorded
-        if not os.path.isabs(recorded) and not recorded.startswith((".", "~")) and recorded.count("/") <= 1:
-            return recorded  # a Hub id
+    base, why = recorded_base(recorded, adapter_dir) if recorded is not None else (None, "")
+    if base is not None:
+        return base
     model = recorded_run(adapter_dir).get("model")
     if isinstance(model, dict) and "model_name_or_path" in model:
         loaded = model["model_name_or_path"]
@@ -204,12 +208,21 @@ def find_base(adapter_dir: str) -> str:
             from .models import default_model_path
 
             return default_model_path()
-        if isinstance(loaded, str) and os.path.isdir(loaded):
+        loaded, _ = recorded_base(loaded, adapter_dir)
+        if loaded is not None and os.path.isdir(loaded):
             return loaded
-    found = f"records base_model_name_or_path={recorded!r}, which is not a folder here" if recorded else (
-        "records no base_model_name_or_path")
+    found = (f"records base_model_name_or_path={recorded!r}, {why} ({config_file!r})" if recorded is not None else
+             f"records no base_model_name_or_path ({config_file!r})")
     raise UsageError(f"the adapter {adapter_dir!r} {found}, and no {SUMMARY_NAME} beside it names one that is; pass "
                      "--base BASE (the folder or Hub id of the model it was trained on).")
+
+
+def _recorded_sources(adapter: str) -> Sources:
+    from .hub.load import recorded_base
+
+    base = find_base(adapter)
+    recorded = _read_json(adapter, ADAPTER_CONFIG_NAME).get("base_model_name_or_path")
+    return Sources(adapter=adapter, base=base, recorded=recorded_base(recorded, adapter)[0] == base)
 
 
 def resolve_sources(model: Optional[str], base: Optional[str], adapter: Optional[str]) -> Sources:
@@ -233,14 +246,15 @@ def resolve_sources(model: Optional[str], base: Optional[str], adapter: Optional
                 what = "a model (config.json), not an adapter" if kind == "adapter" else "an adapter, not a model"
                 raise UsageError(f"{option}={value!r} is {what}.")
         if base is None and os.path.isdir(adapter):
-            base = find_base(adapter)
+            return _recorded_sources(adapter)
         return Sources(adapter=adapter, base=base)
     if check_source(model, "MODEL") == "hub":
         return Sources(adapter=model, base=base) if base is not None else Sources(model=model)
     if _folder_kind(model, "MODEL") == "adapter":
         if base is not None:
             check_source(base, "--base")
-        return Sources(adapter=model, base=base or find_base(model))
+            return Sources(adapter=model, base=base)
+        return _recorded_sources(model)
     if base is not None:
         raise UsageError(f"--base={base!r} applies to an adapter, but MODEL={model!r} is a full model "
                          f"({MODEL_CONFIG_NAME}, no {ADAPTER_CONFIG_NAME}); drop --base.")
@@ -303,9 +317,12 @@ class LoadedModel:
         ```
     """
 
-    def __init__(self, model, tokenizer, chat: bool, system: Optional[str] = None, description: str = "") -> None:
+    def __init__(self, model, tokenizer, chat: bool, system: Optional[str] = None, description: str = "",
+                 template: str = "the tokenizer's chat template", folders: Sequence[tuple] = ()) -> None:
         self.model, self.tokenizer, self.chat = model, tokenizer, chat
         self.system, self.description = system, description
+        self.template = template  # which chat template renders prompts, and where it came from (for messages)
+        self.folders = list(folders)  # ``(what, folder or Hub id)`` of everything loaded: never an output
         self.own_system = 0  # conversations whose own system message was kept instead of ``system``
 
     @property
@@ -330,8 +347,11 @@ class LoadedModel:
                 raise UsageError("a conversation (messages) needs a chat template; --chat_template never takes raw "
                                  "text prompts only.")
             return self.tokenizer(prompt)["input_ids"]
-        text = self.tokenizer.apply_chat_template(self.conversation(prompt), tokenize=False,
-                                                  add_generation_prompt=True)
+        from .generate_guards import render_bounded
+
+        conversation = self.conversation(prompt)
+        text = render_bounded(lambda: self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                                         add_generation_prompt=True), self.template)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def generation_config(self, settings: GenerationSettings):
@@ -413,31 +433,45 @@ def load_sources(sources: Sources, *, device: str = "auto", torch_dtype: str = "
     from peft import PeftModel
 
     from .export.common import load_tokenizer
-    from .hub.load import from_pretrained
+    from .generate_guards import no_stdin, template_origin
+    from .hub.load import from_pretrained, recorded_base
 
     device = resolve_device(device)
     kwargs: dict[str, Any] = {} if device == "cpu" else {"device_map": {"": device}}
     dtype = None if torch_dtype == "auto" else getattr(torch, torch_dtype)
     source = sources.adapter or sources.model
-    model = from_pretrained(source, base_model=sources.base, torch_dtype=dtype, **kwargs)
-    if sources.base is not None and not isinstance(model, PeftModel):
-        raise UsageError(f"--base={sources.base!r} applies to an adapter, but {source!r} is a full model; drop --base.")
-    base = model.peft_config[model.active_adapter].base_model_name_or_path if isinstance(model, PeftModel) else None
-    tokenizer = load_tokenizer(source, sources.base or base)
+    with no_stdin():  # never a prompt for input (transformers' custom-code question) answered by a chat's stdin
+        # a base read from the adapter's config is resolved again there, so that its errors name that file
+        model = from_pretrained(source, base_model=None if sources.recorded else sources.base, torch_dtype=dtype,
+                                **kwargs)
+        if sources.base is not None and not isinstance(model, PeftModel):
+            raise UsageError(f"--base={sources.base!r} applies to an adapter, but {source!r} is a full model; drop "
+                             "--base.")
+        base = model.peft_config[model.active_adapter].base_model_name_or_path if isinstance(model, PeftModel) else None
+        base = sources.base or (recorded_base(base, source if os.path.isdir(source) else None)[0] if base else None)
+        tokenizer = load_tokenizer(source, base)
     if tokenizer is None:
-        raise UsageError(f"no tokenizer loads from {source!r}" + (f" or its base {sources.base or base!r}" if base else
-                         "") + "; save one beside the model (tokenizer.save_pretrained).")
+        custom = [f for f in (source, base) if f and _read_json(f, "tokenizer_config.json").get("auto_map")]
+        if custom:
+            raise UsageError(f"the tokenizer of {custom[0]!r} needs its own Python code to load ('auto_map' in its "
+                             "tokenizer_config.json); hf-lisa never runs a model's code: save a tokenizer that "
+                             "transformers implements beside the model.")
+        raise UsageError(f"no tokenizer loads from {source!r}" + (f" or its base {base!r}" if base else "") +
+                         "; save one beside the model (tokenizer.save_pretrained).")
     tokenizer.padding_side = "left"  # decoder-only generation continues from the right end
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     recorded = recorded_run(source).get("data", {})
     chat = use_chat_template(tokenizer, chat_template, recorded.get("chat_template") if isinstance(recorded, dict)
                              else None)
+    installed = chat_template not in ("auto", "always", "never")  # a built-in or a file: use_chat_template set it
     if system is not None and not chat:
         raise UsageError("--system needs a chat template, but prompts are raw text here (--chat_template never, or a "
                          "tokenizer without one); drop --system or pass a template.")
-    description = sources.describe() if sources.adapter is None else f"{source} on {sources.base or base}"
-    return LoadedModel(model.eval(), tokenizer, chat, system, description)
+    description = sources.describe() if sources.adapter is None else f"{source} on {base}"
+    folders = [("the model", source)] if sources.adapter is None else [("the adapter", source), ("its base", base)]
+    return LoadedModel(model.eval(), tokenizer, chat, system, description,
+                       template_origin(tokenizer, chat_template, installed), folders)
 
 
 def quiet_loading() -> None:

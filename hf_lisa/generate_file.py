@@ -4,8 +4,9 @@ Prompts come from a ``.txt`` file (one per line) or a ``.jsonl`` file (a ``promp
 line; every other field is carried to the output, e.g. a ``completion`` to compare with). Blank lines are skipped.
 Each output line holds the row's carried fields, its ``prompt`` or ``messages``, and the ``generation``, in the input
 order. The file is written beside its target and renamed into place when complete (an interrupted run leaves no half
-file), and an existing output is replaced only with ``--overwrite``. ``--output -`` writes the lines to stdout instead,
-a batch at a time.
+file; what a killed one left, the next run in that folder removes), and an existing output is replaced only with
+``--overwrite``, never when it is a file of the model, the adapter or its base. ``--output -`` writes the lines to
+stdout instead, a batch at a time.
 
 The prompts file and the output path are checked before the model loads, so a typo fails in a fraction of a second.
 """
@@ -22,8 +23,9 @@ import time
 from typing import Optional
 
 from .errors import UsageError
-from .generate import (GenerationSettings, add_model_arguments, load_sources, quiet_loading, resolve_sources,
-                       seed_everything)
+from .generate import (GenerationSettings, Sources, add_model_arguments, load_sources, quiet_loading,
+                       resolve_sources, seed_everything)
+from .generate_guards import check_output_outside_sources, no_space_error, staged_output
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +80,19 @@ def read_prompts(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise UsageError(f"--prompts={path!r} does not exist" + (" (it is a folder)." if os.path.isdir(path) else "."))
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            at = f"--prompts={path!r}, line {number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{at}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); save "
+                                 "the file as UTF-8.") from None
             if not line.strip():
                 continue
             if suffix == ".txt":
                 rows.append({"prompt": line.rstrip("\r\n")})
                 continue
-            at = f"--prompts={path!r}, line {number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -109,8 +116,10 @@ def read_prompts(path: str) -> list[dict]:
     return rows
 
 
-def check_output(output: str, prompts: str, overwrite: bool) -> None:
-    """Refuse an output that is the prompts file, a folder, or an existing file without ``--overwrite``."""
+def check_output(output: str, prompts: str, overwrite: bool, sources=()) -> None:
+    """Refuse an output that is the prompts file, a file of what loads (``sources``: ``(what, folder)`` pairs, see
+    :func:`hf_lisa.generate_guards.check_output_outside_sources`), a folder, or an existing file without
+    ``--overwrite``."""
     if output == "-":
         return
     if os.path.exists(prompts) and os.path.exists(output) and os.path.samefile(output, prompts):
@@ -118,9 +127,16 @@ def check_output(output: str, prompts: str, overwrite: bool) -> None:
     if os.path.isdir(output):
         raise UsageError(f"--output={output!r} is a folder; give a file path, e.g. "
                          f"{os.path.join(output, 'generations.jsonl')!r}.")
+    check_output_outside_sources(output, sources)
     if os.path.exists(output) and not overwrite:
         raise UsageError(f"--output={output!r} already exists; pass --overwrite to replace it once the new file is "
                          "complete.")
+
+
+def _source_folders(sources: Sources) -> list[tuple[str, Optional[str]]]:
+    if sources.adapter is None:
+        return [("the model", sources.model)]
+    return [("the adapter", sources.adapter), ("its base", sources.base)]
 
 
 def _line(row: dict, generation: str) -> str:
@@ -134,7 +150,7 @@ def generate_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch_size={args.batch_size} must be at least 1.")
     sources = resolve_sources(args.model, args.base, args.adapter)
     rows = read_prompts(args.prompts)
-    check_output(args.output, args.prompts, args.overwrite)
+    check_output(args.output, args.prompts, args.overwrite, _source_folders(sources))
 
     from tqdm.auto import tqdm
 
@@ -144,22 +160,25 @@ def generate_command(args: argparse.Namespace) -> int:
                           system=args.system)
     # every prompt renders (a conversation without a template is refused) before any generation runs
     encoded = [loaded.encode(row.get("prompt", row.get("messages"))) for row in rows]
+    check_output_outside_sources(args.output, loaded.folders)  # a Hub adapter's base is known once it has loaded
     print(f"hf-lisa generate: {len(rows)} prompt(s), {loaded.description}, "
           f"{'sampling' if settings.sampling else 'greedy'}", file=sys.stderr, flush=True)
     seed_everything(settings.seed)
-    with contextlib.ExitStack() as stack:
-        out = sys.stdout
-        if args.output != "-":
-            from .export.common import staged_file
-
-            out = stack.enter_context(open(stack.enter_context(staged_file(args.output)), "w", encoding="utf-8"))
-        bar = stack.enter_context(tqdm(total=len(rows), desc="Generating", unit="prompt", file=sys.stderr,
-                                       disable=None))
-        for start in range(0, len(rows), args.batch_size):
-            batch = slice(start, start + args.batch_size)
-            replies = loaded.generate_encoded(encoded[batch], settings, args.batch_size, bar)
-            out.write("".join(_line(row, reply) for row, reply in zip(rows[batch], replies)))
-            out.flush()
+    try:
+        with contextlib.ExitStack() as stack:
+            out = sys.stdout if args.output == "-" else stack.enter_context(staged_output(args.output))
+            bar = stack.enter_context(tqdm(total=len(rows), desc="Generating", unit="prompt", file=sys.stderr,
+                                           disable=None))
+            for start in range(0, len(rows), args.batch_size):
+                batch = slice(start, start + args.batch_size)
+                replies = loaded.generate_encoded(encoded[batch], settings, args.batch_size, bar)
+                out.write("".join(_line(row, reply) for row, reply in zip(rows[batch], replies)))
+                out.flush()
+    except OSError as exc:
+        full = no_space_error(exc, args.output)
+        if full is None:
+            raise
+        raise full from exc
     if loaded.own_system:
         print(f"hf-lisa generate: --system: {loaded.own_system} conversation(s) had their own system message, which "
               "was kept.", file=sys.stderr, flush=True)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from typing import Any, Optional, Union
 
-from ..errors import MISSING_IMPORT_HINT, LisaNotRegisteredError
+from ..errors import MISSING_IMPORT_HINT, LisaNotRegisteredError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,85 @@ class _Source:
         return f"Hub repo {self.name!r}" + (f" at revision {self.revision!r}" if self.revision else "")
 
 
+def recorded_base(recorded: Any, adapter_dir: Optional[str]) -> tuple[Optional[str], str]:
+    """What an adapter's recorded ``base_model_name_or_path`` loads: ``(path or Hub id, "")``, or ``(None, why not)``.
+
+    An absolute path loads as recorded, a relative one from the adapter's folder ``adapter_dir`` (never from the
+    current directory: that would load whatever lies where the command happens to run); a name that is no path and no
+    folder there is a Hub id. ``why not`` follows ``base_model_name_or_path=<value>,`` in a message.
+    """
+    if not isinstance(recorded, str) or not recorded.strip():
+        return None, "which names no model"
+    expanded = os.path.expanduser(recorded)
+    if os.path.isabs(expanded):
+        return (expanded, "") if os.path.isdir(expanded) else (None, "which is not a folder here")
+    beside = os.path.normpath(os.path.join(adapter_dir, expanded)) if adapter_dir is not None else None
+    if beside is not None and os.path.isdir(beside):
+        return beside, ""
+    path_like = recorded.startswith(".") or recorded.count("/") > 1 or "\\" in recorded
+    if not path_like and not os.path.isdir(expanded):
+        return recorded, ""  # a Hub id
+    why = (f"a relative path that is not a folder beside the adapter ({beside!r})" if beside is not None else
+           "a relative path, and the adapter is no local folder")
+    if os.path.isdir(expanded):
+        why += (f"; it is one in the current directory ({os.path.abspath(expanded)!r}), but hf-lisa never resolves an "
+                "adapter's base against the current directory")
+    return None, why
+
+
+def resolve_recorded_base(recorded: Any, adapter_dir: Optional[str], config_file: str) -> str:
+    """:func:`recorded_base`, or a ``UsageError`` naming ``config_file``, the recorded value and why it cannot load."""
+    base, why = recorded_base(recorded, adapter_dir)
+    if base is None:
+        raise UsageError(f"{config_file} records base_model_name_or_path={recorded!r}, {why}; pass the base explicitly "
+                         "(--base BASE; base_model=... in Python), the folder or Hub id it was trained on.")
+    return base
+
+
+def _check_safetensors_only(folder: str, what: str) -> None:
+    """Refuse a local model folder whose weights are pickles only, or whose ``model.safetensors.index.json`` names a
+    shard that is not a safetensors file (transformers would ``torch.load`` it), naming the file."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map") or {}
+        except (ValueError, AttributeError):
+            raise UsageError(f"{index!r} is not a safetensors index (a JSON object with a 'weight_map').") from None
+        shards = sorted({str(s) for s in weight_map.values()} if isinstance(weight_map, dict) else set())
+        bad = [s for s in shards if not s.endswith(".safetensors")]
+        if bad:
+            raise UsageError(f"{index!r} names {bad[0]!r}, which is not a safetensors file: {what} would be unpickled, "
+                             f"which can run code; {PICKLE_ADVICE}")
+    elif not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        pickles = sorted(n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        if pickles:
+            found = os.path.join(folder, pickles[0])
+            raise UsageError(f"{what} has no model.safetensors, only pickle weights ({found!r}), which can run code "
+                             f"when loaded; {PICKLE_ADVICE}")
+
+
+#: what every refusal of pickle weights advises
+PICKLE_ADVICE = ("hf-lisa does not unpickle weights: convert them to safetensors where you trust them "
+                 "(from_pretrained, then save_pretrained(..., safe_serialization=True)).")
+
+
+def _explain_load_error(exc: BaseException, what: str) -> Optional[UsageError]:
+    """A one-line ``UsageError`` for what transformers or torch raise when a model needs its own code or holds a
+    pickle that ``weights_only`` blocked; ``None`` for anything else."""
+    import pickle
+
+    message = str(exc)
+    if isinstance(exc, ValueError) and "trust_remote_code" in message:
+        return UsageError(f"{what} needs its own Python code to load (custom code named by 'auto_map' in its "
+                          "config.json or tokenizer_config.json); hf-lisa never runs a model's code: use a model whose "
+                          "architecture transformers implements.")
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in message:
+        return UsageError(f"{what} holds pickle weights that torch refused to unpickle (they could run code); "
+                          f"{PICKLE_ADVICE}")
+    return None
+
+
 def _dtype_kwargs(torch_dtype) -> dict:
     # transformers 5 renamed torch_dtype to dtype; "auto" keeps the dtype the weights were saved in
     return {"dtype": torch_dtype if torch_dtype is not None else "auto"}
@@ -169,6 +249,7 @@ def from_pretrained(
         ```
     """
     source = _Source(repo_or_dir, revision, token)
+    kwargs.setdefault("trust_remote_code", False)  # never a model's own code, and never transformers' y/N prompt
     adapter_config = source.read_json(ADAPTER_CONFIG_NAME)
     if adapter_config is None:
         model_config = source.read_json(MODEL_CONFIG_NAME)
@@ -184,19 +265,27 @@ def from_pretrained(
 
 
 def _load_merged(source: _Source, model_config: dict, allow_pickle: bool, torch_dtype, **kwargs):
+    if source.local and not allow_pickle:
+        _check_safetensors_only(source.name, f"the model {source.name!r}")
     has_safetensors = source.exists("model.safetensors") or source.exists("model.safetensors.index.json")
     if not has_safetensors and not allow_pickle:
         raise ValueError(
-            f"{source.describe()} has no safetensors weights (model.safetensors or model.safetensors.index.json). "
-            "Pickle weights can run arbitrary code when loaded, so hf-lisa refuses them; pass allow_pickle=True "
-            "if you trust this repo."
+            f"{source.describe()} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
+            f"pickle weights can run code when loaded, so {PICKLE_ADVICE[:-1]} (in Python, allow_pickle=True loads "
+            "them if you trust this repo)."
         )
     model_cls = _auto_class_for_config(model_config)
     hub_kwargs = {} if source.local else {"revision": source.revision, "token": source.token}
-    return model_cls.from_pretrained(
-        source.name, use_safetensors=True if not allow_pickle else None, **hub_kwargs, **_dtype_kwargs(torch_dtype),
-        **kwargs,
-    )
+    try:
+        return model_cls.from_pretrained(
+            source.name, use_safetensors=True if not allow_pickle else None, **hub_kwargs,
+            **_dtype_kwargs(torch_dtype), **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - custom code or a blocked pickle become one line; the rest propagates
+        explained = _explain_load_error(exc, source.describe())
+        if explained is None:
+            raise
+        raise explained from exc
 
 
 def _load_adapter(
@@ -213,19 +302,26 @@ def _load_adapter(
 
     if not source.exists(ADAPTER_SAFETENSORS_NAME):
         if not allow_pickle:
-            found = " It holds adapter_model.bin (pickle)." if source.exists(ADAPTER_PICKLE_NAME) else ""
+            found = f" (it holds {ADAPTER_PICKLE_NAME}, a pickle)" if source.exists(ADAPTER_PICKLE_NAME) else ""
             raise ValueError(
-                f"{source.describe()} has no {ADAPTER_SAFETENSORS_NAME}.{found} Pickle weights can run arbitrary code "
-                "when loaded, so hf-lisa refuses them; pass allow_pickle=True if you trust this adapter."
+                f"{source.describe()} has no {ADAPTER_SAFETENSORS_NAME}{found}; pickle weights can run code when "
+                f"loaded, so {PICKLE_ADVICE[:-1]} (in Python, allow_pickle=True loads them if you trust this adapter)."
             )
         logger.warning("Loading pickle adapter weights from %s (allow_pickle=True).", source.describe())
 
-    base_name = base_model or adapter_config.get("base_model_name_or_path")
-    if not base_name:
-        raise ValueError(
-            f"{ADAPTER_CONFIG_NAME} of {source.describe()} has no base_model_name_or_path; pass base_model=... "
-            "(the Hub id or path of the model the adapter was trained on)."
-        )
+    config_file = (repr(os.path.join(source.name, ADAPTER_CONFIG_NAME)) if source.local else
+                   f"{ADAPTER_CONFIG_NAME} of {source.describe()}")
+    if base_model:
+        base_name, base_what = base_model, f"the base model {base_model!r}"
+    else:
+        recorded = adapter_config.get("base_model_name_or_path")
+        if not recorded:
+            raise ValueError(
+                f"{ADAPTER_CONFIG_NAME} of {source.describe()} has no base_model_name_or_path; pass base_model=... "
+                "(the Hub id or path of the model the adapter was trained on)."
+            )
+        base_name = resolve_recorded_base(recorded, source.name if source.local else None, config_file)
+        base_what = f"the base model {recorded!r} (recorded in {config_file})"
     task_type = adapter_config.get("task_type") or "CAUSAL_LM"
     auto_name = TASK_TYPE_TO_AUTO_CLASS.get(str(task_type).upper())
     if auto_name is None:
@@ -234,17 +330,76 @@ def _load_adapter(
             f"{sorted(TASK_TYPE_TO_AUTO_CLASS)} (or unset for a causal LM)."
         )
     logger.info("Loading base model %s with %s for %s", base_name, auto_name, source.describe())
-    base = _auto_class(auto_name).from_pretrained(
-        base_name, use_safetensors=True if not allow_pickle else None, token=source.token,
-        **_dtype_kwargs(torch_dtype), **kwargs,
-    )
+    if os.path.isdir(base_name) and not allow_pickle:
+        _check_safetensors_only(base_name, base_what)
+    try:
+        base = _auto_class(auto_name).from_pretrained(
+            base_name, use_safetensors=True if not allow_pickle else None, token=source.token,
+            **_dtype_kwargs(torch_dtype), **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - one line naming the base and where it was recorded
+        explained = _explain_load_error(exc, base_what)
+        if explained is not None:
+            raise explained from exc
+        if isinstance(exc, OSError) and exc.errno is None:  # transformers' "not found / not a model" errors
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"{base_what} does not load ({first}); pass the base explicitly (--base BASE; "
+                             "base_model=... in Python).") from exc
+        raise
     hub_kwargs = {} if source.local else {"revision": source.revision, "token": source.token}
     try:
-        return PeftModel.from_pretrained(
-            base, source.name, adapter_name=adapter_name, is_trainable=is_trainable, **hub_kwargs
-        )
+        with warnings.catch_warnings():  # check_adapter_keys raises a clear error for what PEFT warns about here
+            warnings.filterwarnings("ignore", message="Found missing adapter keys")
+            model = PeftModel.from_pretrained(
+                base, source.name, adapter_name=adapter_name, is_trainable=is_trainable, **hub_kwargs
+            )
     except KeyError as exc:
         explained = explain_missing_import(exc)
         if explained is not None:
             raise explained from exc
         raise
+    check_adapter_keys(model, source.name, adapter_name, config_file, **hub_kwargs)
+    return model
+
+
+#: how many key names an adapter-key error shows of each kind
+SHOWN_KEYS = 3
+
+
+def check_adapter_keys(model, adapter: str, adapter_name: str, config_file: str, **hub_kwargs) -> None:
+    """Refuse an adapter whose weights file does not fill exactly the weights its config builds: a weight the config
+    builds that the file lacks would stay at its initial value (a LoRA adapter labelled for LISA weights serves the bare
+    base), a tensor of the file that fits nowhere is lost. PEFT only warns about the first and is silent about the
+    second; this reads the file again and sets it with PEFT's own ``set_peft_model_state_dict`` (the same values as
+    the load, so the model is unchanged), whose result names both.
+
+    Raises:
+        UsageError: naming the weights file, the counts and a few key names of each kind.
+    """
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    weights = load_peft_weights(adapter, device="cpu", **hub_kwargs)
+    result = set_peft_model_state_dict(model, weights, adapter_name=adapter_name)
+    prefix = getattr(model.base_model, "prefix", "")
+    configured = [k for k in model.state_dict() if prefix in k and f".{adapter_name}" in k]
+    missing = [k for k in result.missing_keys if prefix in k and f".{adapter_name}" in k]
+    unexpected = list(result.unexpected_keys)
+    if not missing and not unexpected:
+        return
+
+    def names(keys: list) -> str:
+        return ", ".join(k.removeprefix("base_model.model.") for k in keys[:SHOWN_KEYS])
+
+    peft_type = str(getattr(model.peft_config[adapter_name], "peft_type", "?")).split(".")[-1]
+    weights_file = (os.path.join(adapter, ADAPTER_SAFETENSORS_NAME) if os.path.isdir(adapter) else
+                    f"{ADAPTER_SAFETENSORS_NAME} of {adapter!r}")
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the {len(configured)} weights its config builds are not in the file (e.g. "
+                     f"{names(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} of the file's {len(weights)} tensors fit no weight of the model (e.g. "
+                     f"{names(unexpected)})")
+    raise UsageError(f"the adapter weights {weights_file!r} do not match {config_file} (peft_type {peft_type}): "
+                     f"{'; '.join(parts)}. Served as is it would not be the trained model; check that the config "
+                     "belongs to these weights and that --base is the model they were trained on.")
