@@ -1,0 +1,93 @@
+"""The study of issue 37 (``benchmarks/study.py``): its planner, one real run per method kind, and its report.
+
+The planner is a function of the recorded results: it extends a grid outward while the best rate sits at an edge,
+then plans the reported seeds and the diagnostics at that rate; a second invocation plans only what is missing, which
+is what lets the study resume across sessions. The runs are real ``transformers.Trainer`` runs on a tiny llama.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_fixtures import build_tiny_lm_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import study  # noqa: E402
+from benchmarks.study_report import interval, write_report  # noqa: E402
+
+
+def _record(method: str, lr: float, seed: int, loss: float, preset: str = "cpu") -> dict:
+    run = study.Run(method, lr, seed, preset)
+    return {"key": run.key, "run": {"method": method, "lr": lr, "seed": seed, "preset": preset, "memory": None},
+            "evals": [{"step": 300, "selection_loss": loss, "report_loss": loss + 0.01}]}
+
+
+def test_the_grid_extends_until_the_best_rate_is_interior_then_the_seeds_run_at_it():
+    lora = study.methods_for(300)["lora"]
+    results = {}
+    missing, best = study.grid_state(lora, "cpu", results)
+    assert missing == [1e-4, 3e-4, 1e-3] and best is None
+    # best at the top edge: the next rate up on the x3 ladder is planned
+    for lr, loss in ((1e-4, 0.9), (3e-4, 0.7), (1e-3, 0.5)):
+        results[study.Run("lora", lr, 0, "cpu").key] = _record("lora", lr, 0, loss)
+    assert study.grid_state(lora, "cpu", results) == ([3e-3], None)
+    # 3e-3 is worse: 1e-3 is now interior and decided
+    results[study.Run("lora", 3e-3, 0, "cpu").key] = _record("lora", 3e-3, 0, 0.6)
+    assert study.grid_state(lora, "cpu", results) == ([], 1e-3)
+    planned = {run.key for run in study.plan("cpu", results)}
+    assert {study.Run("lora", 1e-3, s, "cpu").key for s in (1, 2, 3, 4)} <= planned
+    # the LoRA diagnostics run once, at LoRA's rate; seed 0 (which chose the rate) is not among the reported seeds
+    assert {study.Run(name, 1e-3, 0, "cpu").key for name in ("lora-r4", "lora-r128", "lora-qv-r128")} <= planned
+    assert study.Run("lora", 1e-3, 0, "cpu").key not in planned
+
+
+def test_a_grid_whose_every_rate_failed_is_left_undecided_and_not_extended():
+    full = study.methods_for(300)["full"]
+    results = {study.Run("full", lr, 0, "cpu").key: {**_record("full", lr, 0, 0.0), "error": "boom"}
+               for lr in full.grid}
+    assert study.grid_state(full, "cpu", results) == ([], None)
+
+
+def test_the_rate_ladder_is_spaced_by_three():
+    assert study._ladder(1e-3, up=True) == 3e-3 and study._ladder(3e-3, up=True) == 1e-2
+    assert study._ladder(1e-5, up=False) == 3e-6 and study._ladder(3e-6, up=False) == 1e-6
+
+
+def test_the_interval_is_students_t():
+    mean, half = interval([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(3.182 * 1.2909944 / 2, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_real_runs_record_losses_coverage_and_resume_from_the_file(tmp_path):
+    model = build_tiny_lm_dir(tmp_path / "model", num_layers=4)
+    out = tmp_path / "res" / "t.jsonl"
+    for method in ("lora", "lisa-k5", "full"):
+        run = json.dumps({"method": method, "lr": 3e-3, "seed": 0, "preset": "tiny"})
+        subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--preset", "tiny", "--model",
+                        model, "--out", str(out), "--run-one", run], check=True, capture_output=True, cwd=tmp_path)
+    records = study.read_results(out)
+    assert len(records) == 3
+    for record in records.values():
+        assert [e["step"] for e in record["evals"]] == [0, 3, 6]
+        # every method starts from the same weights and moves away from them
+        assert record["evals"][0]["selection_loss"] == pytest.approx(records["tiny|full|0.003|0"]["evals"][0]["selection_loss"])
+        assert record["evals"][-1]["selection_loss"] < record["evals"][0]["selection_loss"]
+        assert 0.0 <= record["exact_match"] <= 1.0 and record["peak_rss_bytes"] > 0
+    lisa = records["tiny|lisa-k5|0.003|0"]["coverage"]
+    # γ = 2 blocks in each of 6 steps; K = 5 switches once, at step 5
+    assert sum(lisa["steps_per_block"].values()) == 12 and 2 <= lisa["distinct_blocks"] <= 4
+    assert records["tiny|lora|0.003|0"]["coverage"]["steps_per_block"] == {str(b): 6 for b in range(4)}
+    # the planner sees what ran: those three rates are not planned again
+    planned = {run.key for run in study.plan("tiny", records)}
+    assert not planned & set(records)
+    report = write_report(out.parent, "t", "tiny")
+    text = report.read_text()
+    assert "| lisa-k5 | 0.003: " in text and "| full | 0.003: " in text
