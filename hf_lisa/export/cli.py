@@ -78,6 +78,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                       help="reload the file with transformers and compare greedy generations with the source model on "
                       f"this many held-out demo prompts, and print the figures (default {DEFAULT_CHECK_PROMPTS}; 0: "
                       "no check)")
+    gguf.add_argument("--min_agreement", "--min-agreement", dest="min_agreement", type=float, default=None,
+                      help="refuse the file (nothing written) when fewer than this share of the check's greedy tokens "
+                      "equal the source model's (default: warn below 0.8)")
     _common(gguf, "OUT_FILE")
 
     merged = kinds.add_parser(
@@ -108,7 +111,8 @@ def export_command(args: argparse.Namespace) -> int:
 
         report = export_gguf(args.source, args.out_file, gguf_type=args.gguf_type, base_model=args.base_model,
                              tokenizer_from=args.tokenizer_from, tokenizer_pre=args.tokenizer_pre, name=args.name,
-                             verify_prompts=args.verify_prompts, overwrite=args.overwrite)
+                             verify_prompts=args.verify_prompts, overwrite=args.overwrite,
+                             min_agreement=args.min_agreement)
     else:
         from .merged import export_merged
 

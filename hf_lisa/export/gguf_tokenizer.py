@@ -226,7 +226,7 @@ def tokenizer_metadata(
     """The ``tokenizer.*`` entries to write: from ``tokenizer_from`` when given; else from the demo model's GGUF when
     the tokenizer is exactly its tokenizer; else written from ``tokenizer.json``."""
     if tokenizer_from:
-        return from_reference(tokenizer_from)
+        return with_chat_template(from_reference(tokenizer_from), tokenizer)
     if tokenizer is None:
         raise UsageError("no tokenizer found beside the model (nor at its base model); a GGUF file needs one. Save "
                          "the tokenizer with the model, or pass --tokenizer_from a GGUF file of the same tokenizer.")
@@ -234,6 +234,24 @@ def tokenizer_metadata(
     reference = None if tokenizer_pre else matching_reference(written, demo_gguf_candidates())
     if reference is None:
         return written
-    copied = from_reference(reference)
+    copied = with_chat_template(from_reference(reference), tokenizer)
     copied.source = f"copied from the demo model's GGUF ({os.path.basename(reference)}): same tokens and merges"
     return copied
+
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def with_chat_template(metadata: TokenizerMetadata, tokenizer) -> TokenizerMetadata:
+    """``metadata`` with the chat template of ``tokenizer`` (the one the model was trained with), not the one of
+    the file the tokens were copied from: a run trained with ``--chat_template chatml`` must be prompted in ChatML by
+    llama.cpp and ollama, whatever its base's GGUF says. A tokenizer without a template drops the copied one."""
+    if tokenizer is None:
+        return metadata
+    from gguf import GGUFValueType
+
+    metadata.entries = [entry for entry in metadata.entries if entry[0] != CHAT_TEMPLATE_KEY]
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        metadata.entries.append((CHAT_TEMPLATE_KEY, template, GGUFValueType.STRING, None))
+    return metadata
