@@ -542,3 +542,23 @@ def test_export_never_unpickles_full_weights(kind, tmp_path, capsys):
     assert not marker.exists() and not out.exists() and _no_partials(tmp_path)
     torch.load(weights, weights_only=False)  # the payload is live: unpickled, it runs
     assert marker.exists()
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_export_lora_of_a_lora_adapter_says_it_is_already_one_to_serve_as_is(base, tmp_path, capsys, use_dora):
+    """Issue 36 item 4: a LoRA output (``hf-lisa train --method lora``) needs no export; the message says so and
+    names what to do, and nothing is written."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "lora"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, target_modules=["q_proj"], use_dora=use_dora))
+    model.save_pretrained(adapter)
+    from hf_lisa.cli import main
+
+    kind = "DoRA" if use_dora else "LoRA"
+    assert main(["export", "lora", str(adapter), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"this is already a PEFT {kind} adapter" in err and "serve the folder directly" in err
+    assert not (tmp_path / "out").exists()

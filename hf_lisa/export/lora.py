@@ -108,6 +108,11 @@ class LoraExportReport:
 # ----------------------------------------------------------------------------------------------------------------------
 def _lisa_config(adapter_config: dict) -> LisaConfig:
     peft_type = str(adapter_config.get("peft_type", "")).upper()
+    if peft_type == "LORA":
+        kind = "DoRA" if adapter_config.get("use_dora") else "LoRA"
+        raise UsageError(f"adapter_config.json says peft_type='LORA': this is already a PEFT {kind} adapter (e.g. "
+                         f"`hf-lisa train --method {kind.lower()}`), which vLLM, TGI and PEFT load as it is: serve the "
+                         "folder directly, no export needed. export lora converts LISA adapters (peft_type 'LISA').")
     if peft_type != "LISA":
         raise UsageError(f"adapter_config.json says peft_type={adapter_config.get('peft_type')!r}; export lora takes a "
                          "LISA adapter (peft_type 'LISA').")
