@@ -3,11 +3,15 @@
 ``python tests/output_safety_driver.py [hf-lisa train options]`` runs ``hf_lisa.train.main`` with one write blocked:
 ``HF_LISA_TEST_BLOCK=<point>`` picks the kind of write, ``HF_LISA_TEST_BLOCK_IN=<text>`` the first call whose path
 contains ``text``. That call prints ``BLOCKED <path>`` and sleeps until the test kills the process.
+``HF_LISA_TEST_BLOCK=preflight`` (for ``tests/test_run_races.py``) instead holds the run at the meta-model preflight,
+once ``--output_dir`` has been checked: it prints ``BLOCKED preflight`` and waits until the file
+``HF_LISA_TEST_BLOCK_IN`` exists, then runs on.
 
 Points:
     weights: a safetensors file of model weights (transformers' and PEFT's ``save_pretrained``), left half-written;
     lisa_state: the LISA schedule's ``lisa_state.safetensors``, before it is written;
-    rename: an ``os.replace`` (the renames that put a finished save into place), before it happens.
+    rename: an ``os.replace`` (the renames that put a finished save into place), before it happens;
+    preflight: the meta-model preflight (``check_before_loading``), until the file ``HF_LISA_TEST_BLOCK_IN`` appears.
 """
 
 from __future__ import annotations
@@ -61,8 +65,21 @@ def _install() -> None:
             return real_replace(src, dst, *args, **kwargs)
 
         os.replace = block_rename
+    elif POINT == "preflight":
+        import hf_lisa.train.run
+
+        run = sys.modules["hf_lisa.train.run"]  # the package's ``run`` is the function of that name
+        real_preflight = run.check_before_loading
+
+        def hold_preflight(*args, **kwargs):
+            print("\nBLOCKED preflight", flush=True)
+            while not os.path.exists(MATCH):
+                time.sleep(0.05)
+            return real_preflight(*args, **kwargs)
+
+        run.check_before_loading = hold_preflight
     else:
-        raise ValueError(f"HF_LISA_TEST_BLOCK={POINT!r}; allowed: weights, lisa_state, rename")
+        raise ValueError(f"HF_LISA_TEST_BLOCK={POINT!r}; allowed: weights, lisa_state, rename, preflight")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
   plot and card, each ``checkpoint-N`` (before it is written) and ``runs/``. ``--overwrite_output_dir`` removes or
   replaces only those, and refuses a folder that holds anything else unless ``--delete_foreign_files`` is given
   (:func:`split_owned`; a folder from before the manifest is judged by the names a run writes).
-* One run per folder at a time: :class:`~hf_lisa.train.run_lock.OutputDirLock`, taken by :func:`claim_output_dir`.
+* One run per folder at a time: :class:`~hf_lisa.train.run_lock.OutputDirLock`, taken by :func:`check_output_dir`
+  before it looks at what the folder holds, so that no other run writes between the check and this run's writes.
 """
 
 from __future__ import annotations
@@ -160,14 +161,15 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     return None
 
 
-def _resolve_resume(value, output_dir: str) -> Optional[str]:
+def _resolve_resume(value, output_dir: str, lock: Optional[OutputDirLock] = None) -> Optional[str]:
     """The checkpoint ``--resume_from_checkpoint=value`` names, after checking it is complete; ``None`` for none."""
     if value is None or value is False or value == "":
         return None
     if value is True or str(value).lower() in LATEST:
         path = latest_checkpoint(output_dir)
         if path is None:
-            where = "does not exist" if not os.path.isdir(output_dir) else "holds no complete checkpoint-N folder"
+            missing = not os.path.isdir(output_dir) or (lock is not None and lock.created_folder)  # before the lock
+            where = "does not exist" if missing else "holds no complete checkpoint-N folder"
             raise UsageError(
                 f"--resume_from_checkpoint={value}: --output_dir={output_dir} {where}, so there is nothing to resume. "
                 "Start without --resume_from_checkpoint, or give the path of a checkpoint folder."
@@ -299,8 +301,8 @@ def record_outputs(output_dir: str, names=()) -> None:
 
 
 def claim_output_dir(training_args, lock: OutputDirLock) -> None:
-    """On the process that saves: take the folder's lock (a second run is refused from here until this one ends), and
-    start the manifest with what earlier runs wrote there and the TensorBoard logs this run writes (``runs/``)."""
+    """On the process that saves: hold the folder's lock (taken by :func:`check_output_dir`), and start the manifest
+    with what earlier runs wrote there and the TensorBoard logs this run writes (``runs/``)."""
     if not training_args.should_save:
         return
     lock.acquire()
@@ -342,7 +344,8 @@ def _check_writable_folder(output_dir: str) -> None:
     if not os.path.isdir(parent):
         raise UsageError(f"--output_dir={output_dir} cannot be created: {parent} is a file, not a folder.")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--output_dir={output_dir}: {parent} is not writable by this user. Give another folder.")
+        raise UsageError(f"--output_dir={output_dir}: {parent} is not writable (a read-only file system, or not this "
+                         "user's). Give another folder.")
 
 
 def _check_not_the_model(output_dir: str, model_path: Optional[str]) -> None:
@@ -377,23 +380,24 @@ def _check_no_foreign_weights(output_dir: str, entries: list[str]) -> None:
         )
 
 
-def check_output_dir(model_args, lisa_args, training_args) -> Optional[str]:
+def check_output_dir(model_args, lisa_args, training_args, lock: Optional[OutputDirLock] = None) -> Optional[str]:
     """Check ``--output_dir`` and ``--resume_from_checkpoint`` before anything loads; return the checkpoint to resume.
 
     ``training_args.resume_from_checkpoint`` is set to that checkpoint's path (``latest``/``true`` resolved), or
     ``None``; a resumed checkpoint must have been written with this run's method and schedule
     (:func:`check_resume_matches`). Raises [`~hf_lisa.errors.UsageError`] naming the option, the path and the fix.
-    Only reads the file system: what must go is removed once the run is ready to train (:func:`clear_previous_run`).
+    Writes only ``lock``, taken first on the process that saves (the content is checked under it): what must go is
+    removed when the run is ready to train (:func:`clear_previous_run`), once checked removable here.
     """
     output_dir = training_args.output_dir
     overwrite, flag = _overwrite_flag(training_args)
     _check_writable_folder(output_dir)
-    if training_args.should_save:  # the process that takes the lock (claim_output_dir); others would find it taken
-        check_not_in_use(output_dir)
     _check_not_the_model(output_dir, model_args.model_name_or_path)
+    if training_args.should_save:  # the process that saves locks; the others would find the folder locked by it
+        lock.acquire() if lock is not None else check_not_in_use(output_dir)
     entries = visible_entries(output_dir)
     _check_no_foreign_weights(output_dir, entries)
-    resume = _resolve_resume(training_args.resume_from_checkpoint, output_dir)
+    resume = _resolve_resume(training_args.resume_from_checkpoint, output_dir, lock)
     if resume is not None:
         check_resume_matches(resume, lisa_args)
     own = resume is not None and os.path.realpath(os.path.dirname(os.path.normpath(resume))) == os.path.realpath(
@@ -415,8 +419,21 @@ def check_output_dir(model_args, lisa_args, training_args) -> Optional[str]:
         )
     if overwrite and entries:
         _check_foreign_files(output_dir, entries, getattr(training_args, "delete_foreign_files", False))
+    _check_removable(output_dir, _to_clear(training_args), flag)
     training_args.resume_from_checkpoint = resume
     return resume
+
+
+def _check_removable(output_dir: str, names: list[str], flag: str) -> None:
+    """Every folder :func:`clear_previous_run` removes from is writable, checked before any weight loads: a removal
+    failing half-way would leave half an earlier run."""
+    trees = [path for path in (os.path.join(output_dir, name) for name in names) if not os.path.islink(path)]
+    folders = [root for tree in trees if os.path.isdir(tree) for root, _, _ in os.walk(tree)]
+    for folder in ([output_dir] if names else []) + folders:
+        if not os.access(folder, os.W_OK | os.X_OK) or (folder != output_dir and os.path.ismount(folder)):
+            raise UsageError(
+                f"{flag}: --output_dir={output_dir}: {folder} is not writable (a read-only file system, a mount point, "
+                "another user's), so it cannot be emptied. Nothing was deleted. Make it writable or move it away.")
 
 
 def _overwrite_flag(training_args) -> tuple[bool, str]:
@@ -445,13 +462,8 @@ def _check_foreign_files(output_dir: str, entries: list[str], delete: bool) -> N
         )
 
 
-def clear_previous_run(training_args) -> list[str]:
-    """Remove what an earlier run left in ``--output_dir``: unfinished saves, and with ``--overwrite_output_dir`` its
-    checkpoints (they would mix with this run's), with ``--delete_foreign_files`` also what no run wrote there
-    (:func:`split_owned`). Its final model stays until this run's replaces it.
-
-    Call it on the process(es) that save, once the run is ready to train. Returns the paths removed.
-    """
+def _to_clear(training_args) -> list[str]:
+    """The names :func:`clear_previous_run` removes from ``--output_dir``, sorted."""
     output_dir = training_args.output_dir
     if not os.path.isdir(output_dir):
         return []
@@ -462,7 +474,18 @@ def clear_previous_run(training_args) -> list[str]:
         names += [name for name in owned if _CHECKPOINT.match(name)]
     if getattr(training_args, "delete_foreign_files", False):
         names += foreign
-    removed = [os.path.join(output_dir, name) for name in sorted(names)]
+    return sorted(names)
+
+
+def clear_previous_run(training_args) -> list[str]:
+    """Remove what an earlier run left in ``--output_dir``: unfinished saves, and with ``--overwrite_output_dir`` its
+    checkpoints (they would mix with this run's), with ``--delete_foreign_files`` also what no run wrote there
+    (:func:`split_owned`). Its final model stays until this run's replaces it.
+
+    Call it on the process(es) that save, once the run is ready to train. Returns the paths removed.
+    """
+    output_dir = training_args.output_dir
+    removed = [os.path.join(output_dir, name) for name in _to_clear(training_args)]
     for path in removed:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)

@@ -3,9 +3,11 @@ each recorded in ``output_dir``'s manifest (:func:`~hf_lisa.train.output_dir.rec
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -14,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 
 from torch import nn
 
+from ..errors import RunError
 from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
 from .output_dir import (MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches, record_outputs,
                          remove_checkpoints, split_owned)
@@ -22,7 +25,8 @@ from .quantization import parameter_count
 logger = logging.getLogger("hf_lisa.train")
 
 __all__ = ["LOSS_PLOT_NAME", "TRAINING_SUMMARY_NAME", "build_training_summary", "plot_losses", "save_final_model",
-           "held_out_rows", "staged_final_model", "start_notes", "trainable_summary", "write_model_card"]
+           "held_out_rows", "staged_final_model", "start_notes", "trainable_summary", "write_error",
+           "write_model_card"]
 
 
 LOSS_PLOT_NAME = "loss.png"
@@ -224,6 +228,40 @@ def save_final_model(trainer, model: nn.Module, tokenizer, output_dir: str, meth
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, TRAINING_ARGS_JSON), "w") as f:
         f.write(trainer.args.to_json_string())
+
+
+#: the errors of a file system that refuses a write: full, over quota, read-only, file too large, failing, not allowed
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO, errno.EACCES, errno.EPERM}
+#: how an ``std::io::Error`` of a Rust library (safetensors' ``SafetensorError``) shows its errno
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+#: torch.save's short writes (its zip writer knows no errno): ``PytorchStreamWriter failed writing file ...: file
+#: write failed``, ``unexpected pos 19840 vs 19728``
+_TORCH_SHORT_WRITE = re.compile(r"PytorchStreamWriter failed writing|file write failed|unexpected pos \d+ vs \d+")
+
+
+def write_error(err: BaseException, output_dir: str) -> Optional[Exception]:
+    """The error to report instead of ``err`` when ``err`` is a write the file system refused (disk full, read-only,
+    ...) and does not say where: safetensors' ``SafetensorError`` (``... No space left on device (os error 28)``, no
+    file at all), an ``OSError`` naming no file or a relative one (an ``OSError`` naming ``output_dir``, or the relative
+    file under it), torch.save's short write (a ``RunError`` naming ``output_dir``). ``None`` for anything else."""
+    if isinstance(err, OSError):
+        code, filename = err.errno, err.filename
+        if code not in _WRITE_ERRNOS or (filename and os.path.isabs(os.fsdecode(filename))):
+            return None
+    elif isinstance(err, RuntimeError) and _TORCH_SHORT_WRITE.search(str(err)):
+        return RunError(
+            f"writing into --output_dir={output_dir} failed: torch.save wrote less than it was asked to "
+            f"({str(err).strip().splitlines()[0]}), which means the disk is full or over quota. Free some space (or "
+            "choose another --output_dir) and run again; --resume_from_checkpoint latest continues from the last "
+            "complete checkpoint."
+        )
+    else:
+        found = _RUST_OS_ERROR.search(str(err))
+        code, filename = (int(found.group(1)), None) if found else (None, None)
+        if code not in _WRITE_ERRNOS:
+            return None
+    where = f"{output_dir} ({os.fsdecode(filename)})" if filename else output_dir
+    return OSError(code, os.strerror(code), where)
 
 
 def _weight_rank(name: str) -> int:

@@ -34,9 +34,10 @@ from .outputs import (
     save_final_model,
     staged_final_model,
     start_notes,
+    write_error,
     write_model_card,
 )
-from .output_dir import check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
+from .output_dir import MANIFEST_NAME, check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
 from .preference import DPO, DPO_EVAL_METRICS, SFT
 from .preflight import check_before_loading
 from .run_lock import OutputDirLock
@@ -87,8 +88,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
     # the Trainer's own push would upload a pickled training_args.bin and a card without base_model: push ourselves
     push_repo = training_args.hub_model_id if training_args.push_to_hub else None
     training_args.push_to_hub = False
-    with OutputDirLock(training_args.output_dir) as lock:  # released when run() returns or raises
-        _check_and_prepare(model_args, lisa_args, training_args, data_args)
+    # released when run() returns or raises; a run that fails removes the folder the lock created if it stayed empty
+    with OutputDirLock(training_args.output_dir, bookkeeping=(MANIFEST_NAME,)) as lock:
+        _check_and_prepare(model_args, lisa_args, training_args, data_args, lock)  # locks, then checks the folder
         finished = _finished_checkpoint(training_args)
         if finished is not None:
             return finished
@@ -102,12 +104,16 @@ def run(model_args: ModelArguments, data_args: DataArguments, lisa_args: LisaArg
             job.evaluate_and_print("", "after training:  ")
             return job.save_and_push(push_repo)
         except Exception as err:  # a failure while running: exit status 1 whatever its type (unless a UsageError)
-            setattr(err, WHILE_RUNNING, training_args.output_dir)
+            named = write_error(err, training_args.output_dir)  # a full or read-only disk: say where it wrote
+            setattr(named or err, WHILE_RUNNING, training_args.output_dir)
+            if named is not None:
+                raise named from err
             raise
 
 
-def _check_and_prepare(model_args, lisa_args, training_args, data_args=None) -> None:
-    """Seed, allocator and every check that needs no weights: the output folder, the model's config on meta."""
+def _check_and_prepare(model_args, lisa_args, training_args, data_args=None, lock=None) -> None:
+    """Seed, allocator and every check that needs no weights: the output folder (under its ``lock``, taken first),
+    the model's config on meta."""
     from transformers import set_seed
 
     if not torch.cuda.is_available():
@@ -116,7 +122,7 @@ def _check_and_prepare(model_args, lisa_args, training_args, data_args=None) -> 
     if allocator:
         logger.info(allocator)
     set_seed(training_args.seed)
-    check_output_dir(model_args, lisa_args, training_args)  # resolves --resume_from_checkpoint latest/true
+    check_output_dir(model_args, lisa_args, training_args, lock)  # resolves --resume_from_checkpoint latest/true
     check_before_loading(model_args, lisa_args, training_args, data_args)  # config, files, meta model: no weights
 
 
