@@ -505,3 +505,33 @@ def test_custom_code_is_refused_in_one_line_even_when_stdin_answers_yes(unsafe, 
             assert err.strip().splitlines() == [f"hf-lisa {command}: error: {message}"], err
             assert stdout == ""
     assert not unsafe["marker"].exists()
+
+
+@pytest.mark.slow  # an hf-lisa train run (one step) before the chat
+def test_a_run_trained_with_relative_paths_chats_from_where_it_ran_and_is_refused_elsewhere(tiny, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """``hf-lisa train --model_name_or_path ./base --output_dir out`` records ``./base`` (PEFT keeps the path as given)
+    and the relative ``output_dir``: from the directory it ran in, ``out`` is that folder, so ``./base`` means what it
+    meant to the run; from anywhere else the relative base is refused."""
+    from train_fixtures import copy_task_rows
+
+    project = tmp_path / "project"
+    _copy(tiny["model"], project / "base")
+    write_jsonl(project / "train.jsonl", copy_task_rows(8))
+    monkeypatch.chdir(project)
+    status = cli.main(["train", "--model_name_or_path", "./base", "--train_file", "train.jsonl", "--output_dir", "out",
+                       "--method", "lora", "--report_to", "none", "--max_steps", "1", "--save_strategy", "no",
+                       "--use_cpu", "true", "--eval_generation_samples", "0", "--disable_tqdm", "true",
+                       "--per_device_train_batch_size", "4", "--max_seq_length", "64",
+                       "--validation_split_percentage", "0"])
+    assert status == 0, capsys.readouterr().err
+    assert json.loads((project / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == "./base"
+    capsys.readouterr()
+    status, stdout, err = run_cli(["chat", "out", *GREEDY], capsys, stdin="say a\n")
+    assert status == 0 and len(stdout.splitlines()) == 1, err
+    (tmp_path / "elsewhere").mkdir()
+    _copy(tiny["model"], tmp_path / "elsewhere" / "base")  # another ./base: never the one loaded
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    status, _, err = run_cli(["chat", str(project / "out"), *GREEDY], capsys, stdin="say a\n")
+    assert status == 2 and "records base_model_name_or_path='./base', a relative path that is not a folder beside " \
+                           "the adapter" in err, err

@@ -121,9 +121,10 @@ class _Source:
 def recorded_base(recorded: Any, adapter_dir: Optional[str]) -> tuple[Optional[str], str]:
     """What an adapter's recorded ``base_model_name_or_path`` loads: ``(path or Hub id, "")``, or ``(None, why not)``.
 
-    An absolute path loads as recorded, a relative one from the adapter's folder ``adapter_dir`` (never from the
-    current directory: that would load whatever lies where the command happens to run); a name that is no path and no
-    folder there is a Hub id. ``why not`` follows ``base_model_name_or_path=<value>,`` in a message.
+    An absolute path loads as recorded, a relative one from the adapter's folder ``adapter_dir``, and from the current
+    directory only when that is where the run that saved the adapter ran (:func:`_trained_from_here`), never otherwise:
+    that would load whatever lies where the command happens to run. A name that is no path and no folder is a Hub id.
+    ``why not`` follows ``base_model_name_or_path=<value>,`` in a message.
     """
     if not isinstance(recorded, str) or not recorded.strip():
         return None, "which names no model"
@@ -136,12 +137,28 @@ def recorded_base(recorded: Any, adapter_dir: Optional[str]) -> tuple[Optional[s
     path_like = recorded.startswith(".") or recorded.count("/") > 1 or "\\" in recorded
     if not path_like and not os.path.isdir(expanded):
         return recorded, ""  # a Hub id
+    if os.path.isdir(expanded) and adapter_dir is not None and _trained_from_here(adapter_dir):
+        return os.path.abspath(expanded), ""
     why = (f"a relative path that is not a folder beside the adapter ({beside!r})" if beside is not None else
            "a relative path, and the adapter is no local folder")
     if os.path.isdir(expanded):
         why += (f"; it is one in the current directory ({os.path.abspath(expanded)!r}), but hf-lisa never resolves an "
                 "adapter's base against the current directory")
     return None, why
+
+
+def _trained_from_here(adapter_dir: str) -> bool:
+    """Whether the current directory is the one ``hf-lisa train`` ran in when it saved ``adapter_dir``: the relative
+    ``output_dir`` its ``training_summary.json`` records leads from here to this very folder. Then a relative base path
+    it recorded (``--model_name_or_path ./base``) means, from here, what it meant to the run."""
+    try:
+        with open(os.path.join(adapter_dir, "training_summary.json"), encoding="utf-8") as f:
+            output_dir = json.load(f).get("output_dir")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(output_dir, str) or not output_dir or os.path.isabs(os.path.expanduser(output_dir)):
+        return False
+    return os.path.realpath(output_dir) == os.path.realpath(adapter_dir)
 
 
 def resolve_recorded_base(recorded: Any, adapter_dir: Optional[str], config_file: str) -> str:
