@@ -244,6 +244,7 @@ def test_lisa_trainer_best_checkpoint_is_the_published_folder(tiny_llama, token_
 def test_lisa_trainer_pushes_a_checkpoint_from_its_final_place(tiny_llama, token_dataset, training_args, monkeypatch):
     # transformers uploads a pushed checkpoint in the background: it must read the published folder, not the staging one
     import huggingface_hub.constants as hf_constants
+    import huggingface_hub.hf_api
     import transformers.utils.hub
     from hub_server import HubServer
 
@@ -252,7 +253,9 @@ def test_lisa_trainer_pushes_a_checkpoint_from_its_final_place(tiny_llama, token
     try:
         monkeypatch.setattr(hf_constants, "ENDPOINT", server.url)
         # transformers shares one HfApi, built on first use with the endpoint of that moment: build it afresh here
-        monkeypatch.setattr(transformers.utils.hub, "_hf_api", None)
+        monkeypatch.setattr(transformers.utils.hub, "_hf_api", None, raising=False)  # absent in 5.6
+        # transformers 5.3's Trainer calls huggingface_hub.create_repo, whose HfApi kept the endpoint of its import
+        monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
         monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
         args = training_args(max_steps=2, save_strategy="steps", save_steps=2, push_to_hub=True,

@@ -78,11 +78,14 @@ class _WholeRunLoss(TrainerCallback):
 
     on_epoch_end = on_step_end
 
-    def whole_run(self, session_loss: float, global_step: int) -> float:
-        """The mean loss over the earlier steps and this call's, from this call's mean ``session_loss``."""
+    def whole_run(self, session_loss: float, global_step: int, session_total: Optional[float] = None) -> float:
+        """The mean loss over the earlier steps and this call's, from this call's summed loss ``session_total`` (or,
+        where the Trainer does not expose it, its mean ``session_loss``)."""
         steps, total = self.earlier
         session = global_step - self.resumed_at
-        return (total + session_loss * session) / max(steps + session, 1)
+        if session_total is None:
+            session_total = session_loss * session
+        return (total + session_total) / max(steps + session, 1)
 
 
 class LisaTrainer(Trainer):
@@ -239,7 +242,10 @@ class LisaTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         if "train_loss" in logs and self._whole_run_loss.earlier is not None:
-            logs["train_loss"] = self._whole_run_loss.whole_run(logs["train_loss"], self.state.global_step)
+            # the sum itself: transformers 5.16 divides it by every step of the run, 5.23 by this call's steps only
+            session_total = getattr(self, "_total_loss_scalar", None)
+            logs["train_loss"] = self._whole_run_loss.whole_run(logs["train_loss"], self.state.global_step,
+                                                                session_total)
         super().log(logs, start_time)
 
     # -- saving --------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from ..blocks import find_blocks
 from .bnb import keep_4bit_layers_trainable, quantized_layer_class
 from .config import LisaConfig
 from .layer import LisaLayer, Linear
+from .peft_type import require_supported_peft
 from .schedule_guard import ScheduleGuard
 
 # The source documents adapt the attention projections (seed 000: q/k/v); architectures not listed fall back to
@@ -136,6 +137,7 @@ class LisaModel(BaseTuner):
             self._replace_module(parent, target_name, new_module, target)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args, **kwargs) -> None:
+        require_supported_peft()  # PEFT < 0.21 corrupts the packed mask (hf_lisa/tuner/peft_type.py)
         # PeftModel.add_adapter calls inject_adapter without the injection hooks, so interpolation is set up here
         super().inject_adapter(model, adapter_name, *args, **kwargs)
         self._add_interpolation(model, self.peft_config[adapter_name], adapter_name)
