@@ -225,6 +225,18 @@ def test_a_bad_recorded_base_names_the_adapter_file_and_the_value(tiny, tmp_path
         assert "--base BASE" in line and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_recorded_base_folder_that_is_no_model_names_the_adapter_file(tiny, tmp_path, capsys):
+    adapter = _copy(tiny["root"] / "lora", tmp_path / "adapter")
+    (tmp_path / "not-a-model").mkdir()
+    _config(adapter, base_model_name_or_path=str(tmp_path / "not-a-model"))
+    status, _, err = run_cli(["generate", str(adapter), "--prompts", tiny["prompts"], "--output", "-", *GREEDY], capsys)
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert _last_line(err).startswith(
+        f"hf-lisa generate: error: the base model {str(tmp_path / 'not-a-model')!r} (recorded in "
+        f"{str(adapter / 'adapter_config.json')!r}) does not load ("), err
+    assert "chat/generate --base, export --base_model" in err
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # item 15: a chat template renders bounded in time and size, and its errors name it and where it came from
 # ----------------------------------------------------------------------------------------------------------------------

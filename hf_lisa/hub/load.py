@@ -165,8 +165,8 @@ def resolve_recorded_base(recorded: Any, adapter_dir: Optional[str], config_file
     """:func:`recorded_base`, or a ``UsageError`` naming ``config_file``, the recorded value and why it cannot load."""
     base, why = recorded_base(recorded, adapter_dir)
     if base is None:
-        raise UsageError(f"{config_file} records base_model_name_or_path={recorded!r}, {why}; pass the base explicitly "
-                         "(--base BASE; base_model=... in Python), the folder or Hub id it was trained on.")
+        raise UsageError(f"{config_file} records base_model_name_or_path={recorded!r}, {why}; {PASS_BASE}: the "
+                         "folder or Hub id it was trained on.")
     return base
 
 
@@ -194,6 +194,8 @@ def _check_safetensors_only(folder: str, what: str) -> None:
 
 
 #: what every refusal of pickle weights advises
+#: how an adapter's base is given explicitly, by each caller
+PASS_BASE = "pass the base explicitly (chat/generate --base, export --base_model, from_pretrained(base_model=...))"
 PICKLE_ADVICE = ("hf-lisa does not unpickle weights: convert them to safetensors where you trust them "
                  "(from_pretrained, then save_pretrained(..., safe_serialization=True)).")
 
@@ -358,10 +360,9 @@ def _load_adapter(
         explained = _explain_load_error(exc, base_what)
         if explained is not None:
             raise explained from exc
-        if isinstance(exc, OSError) and exc.errno is None:  # transformers' "not found / not a model" errors
+        if isinstance(exc, ValueError) or isinstance(exc, OSError) and exc.errno is None:  # not found, not a model
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(f"{base_what} does not load ({first}); pass the base explicitly (--base BASE; "
-                             "base_model=... in Python).") from exc
+            raise UsageError(f"{base_what} does not load ({first}); {PASS_BASE}.") from exc
         raise
     hub_kwargs = {} if source.local else {"revision": source.revision, "token": source.token}
     try:
@@ -419,4 +420,4 @@ def check_adapter_keys(model, adapter: str, adapter_name: str, config_file: str,
                      f"{names(unexpected)})")
     raise UsageError(f"the adapter weights {weights_file!r} do not match {config_file} (peft_type {peft_type}): "
                      f"{'; '.join(parts)}. Served as is it would not be the trained model; check that the config "
-                     "belongs to these weights and that --base is the model they were trained on.")
+                     "belongs to these weights and that the base is the model they were trained on.")
