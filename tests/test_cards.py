@@ -361,3 +361,23 @@ def test_demo_card_says_its_base_is_the_dequantised_gguf(mode, tmp_path):
     hub_run = TrainingSummary(base_model=DEFAULT_MODEL_ID, method=method, arguments=_demo_arguments(
         tmp_path, "--method", method, "--model_name_or_path", DEFAULT_MODEL_ID))
     assert "dequantised" not in render_model_card(None, mode, summary=hub_run, adapter_config=adapter).text
+
+
+@pytest.mark.parametrize("config, says, never", [
+    ({}, "dense low-rank updates on every block (sparsity 0, no sampling: the same update as LoRA)",
+     ("sparse low-rank", "layerwise sampled")),
+    ({"sparsity": 0.4, "lisa_activated_layers": 2, "lisa_interval_steps": 20},
+     "sparse low-rank updates (sparsity 0.4), 2 block(s) trained at a time, re-sampled every 20 steps",
+     ("same update as LoRA",)),
+    ({"layer_interpolation": True}, "dense low-rank updates, per-block layer interpolation", ("same update as LoRA",)),
+])
+def test_a_lisa_adapter_card_names_what_the_adapter_trains(config, says, never):
+    """Issue 36 item 5: a LISA adapter at its defaults (γ=0, ρ=0) is titled by what it is, not by the features of
+    the form it does not use."""
+    adapter = {"peft_type": "LISA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 8, **config}
+    text = render_model_card(None, "adapter", base_model=BASE_REPO, adapter_config=adapter,
+                             summary={"method": "lisa-adapter"}).text
+    assert says in text
+    assert "layerwise sampled" not in text
+    for phrase in never:
+        assert phrase not in text

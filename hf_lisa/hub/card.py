@@ -10,7 +10,7 @@ import re
 from typing import Optional, Union
 
 from ..methods import FULL_LISA, LISA_ADAPTER, METHODS, method_of_adapter
-from .card_tables import METHOD_TITLES, _cell, _data_rows, _fmt, _module_groups, _training_rows
+from .card_tables import METHOD_TITLES, _cell, lisa_adapter_title, _data_rows, _fmt, _module_groups, _training_rows
 from .load import TASK_TYPE_TO_AUTO_CLASS
 from .staging import PUSH_MODES, _resolve_hub_base_model
 from .summary import TrainingSummary
@@ -185,7 +185,7 @@ def _training_fields(mode: str, method: str, adapter_config: Optional[dict], sum
     ))
     return {
         "method": method,
-        "method_title": METHOD_TITLES.get(method, method),
+        "method_title": lisa_adapter_title(adapter_config) if lisa_adapter else METHOD_TITLES.get(method, method),
         "merged_from_adapter": mode == "merged" and adapter_config is not None,
         "has_masks": sparse,
         "magnitudes": bool((adapter_config or {}).get("use_dora")),  # DoRA's magnitude vectors

@@ -13,6 +13,26 @@ from .summary import TrainingSummary
 METHOD_TITLES = {name: method.title for name, method in METHODS.items()}
 
 
+def lisa_adapter_title(adapter_config: Optional[dict]) -> str:
+    """What a LISA adapter trains, in words, from its ``adapter_config.json``: the registry's title names every
+    feature the form can use; a card must name the ones this adapter uses (issue 36: at sparsity 0 without sampling
+    or interpolation it is the same update as LoRA, and its card must not promise sparsity or sampling)."""
+    config = adapter_config or {}
+    sparsity = float(config.get("sparsity") or 0)
+    patterned = any((config.get("sparsity_pattern") or {}).values())
+    gamma = int(config.get("lisa_activated_layers") or 0)
+    parts = [f"sparse low-rank updates (sparsity {sparsity:g}{', per-module patterns' if patterned else ''})"
+             if sparsity > 0 or patterned else "dense low-rank updates"]
+    if gamma > 0:
+        parts.append(f"{gamma} block(s) trained at a time, re-sampled every {config.get('lisa_interval_steps')} steps")
+    if config.get("layer_interpolation"):
+        parts.append("per-block layer interpolation")
+    title = "LISA adapters: " + ", ".join(parts)
+    if len(parts) == 1 and parts[0].startswith("dense"):
+        title += " on every block (sparsity 0, no sampling: the same update as LoRA)"
+    return title
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -133,7 +153,9 @@ def _training_rows(method: str, adapter_config: Optional[dict], summary: Trainin
     fills in what a hand-written summary leaves out. Settings that a choice switched off (the mask settings of a dense
     adapter, the schedule of γ = 0, the interpolation bounds without interpolation) and those of the modules table
     (``module_table``) are not repeated."""
-    rows = [("Method", f"{METHOD_TITLES.get(method, method)} (`{method}`)")]
+    lisa_adapter = str((adapter_config or {}).get("peft_type", "")).upper() == LISA_ADAPTER.adapter_type
+    title = lisa_adapter_title(adapter_config) if lisa_adapter else METHOD_TITLES.get(method, method)
+    rows = [("Method", f"{title} (`{method}`)")]
     lisa = dict(summary.lisa)
     config = adapter_config or {}
     is_lisa_adapter = (str(config.get("peft_type", "")).upper() == LISA_ADAPTER.adapter_type if config
