@@ -78,13 +78,12 @@ def check_output_outside_sources(output: str, sources: Sequence[tuple[str, Optio
     real = os.path.realpath(output)
     exists = os.path.lexists(output)
     folders = [(what, os.path.realpath(folder)) for what, folder in sources if folder and os.path.isdir(folder)]
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        folders.append(("the Hugging Face cache", os.path.realpath(HF_HUB_CACHE)))
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        pass
     advice = "choose a path outside it (generate never writes into what it loads)."
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    cache = os.path.realpath(HF_HUB_CACHE)
+    if _inside(real, cache):  # where Hub models are kept: only the folder is compared, never walked
+        raise UsageError(f"--output={output!r} is in the Hugging Face cache ({cache!r}); {advice}")
     for what, folder in folders:
         if _inside(real, folder) and (exists or not real.endswith(".jsonl")):
             kind = "is a file of" if exists else "would be a new non-.jsonl file in"

@@ -63,6 +63,8 @@ def _last_line(err: str) -> str:
 # item 2: generate never writes into what it loaded
 # ----------------------------------------------------------------------------------------------------------------------
 def _output_cases(tiny, tmp_path):
+    from huggingface_hub.constants import HF_HUB_CACHE
+
     model = _copy(tiny["model"], tmp_path / "model")
     adapter = _copy(tiny["root"] / "lora", tmp_path / "adapter")
     _config(adapter, base_model_name_or_path=str(model))
@@ -82,10 +84,14 @@ def _output_cases(tiny, tmp_path):
         "its base's weights": ([str(adapter)], model / "model.safetensors", "is a file of its base"),
         "--base's weights": (["--adapter", str(adapter), "--base", str(model)], model / "model.safetensors",
                              "is a file of its base"),
+        "the Hub cache": ([str(model)], Path(HF_HUB_CACHE) / "models--hf-lisa-test" / "gen.jsonl",
+                          "is in the Hugging Face cache"),
     }
 
 
 def test_generate_refuses_to_write_into_a_file_of_the_model_the_adapter_or_its_base(tiny, tmp_path, capsys):
+    from huggingface_hub.constants import HF_HUB_CACHE
+
     model, adapter, cases = _output_cases(tiny, tmp_path)
     before = {path: path.read_bytes() for folder in (model, adapter) for path in folder.iterdir()}
     for name, (source, output, message) in cases.items():
@@ -95,7 +101,7 @@ def test_generate_refuses_to_write_into_a_file_of_the_model_the_adapter_or_its_b
         assert f"--output={str(output)!r} {message}" in err and "choose a path outside it" in err, (name, err)
         assert stdout == ""
     assert {path: path.read_bytes() for folder in (model, adapter) for path in folder.iterdir()} == before
-    assert not list(tmp_path.rglob(".partial-*"))
+    assert not list(tmp_path.rglob(".partial-*")) and not (Path(HF_HUB_CACHE) / "models--hf-lisa-test").exists()
 
 
 def test_a_new_jsonl_file_inside_the_model_folder_is_still_allowed(tiny, tmp_path, capsys):
