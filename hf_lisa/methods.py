@@ -120,6 +120,18 @@ def get_method(name: str, *, field_name: str = "--method") -> Method:
         raise UsageError(f"{field_name}={name!r} is invalid; allowed: {', '.join(METHODS)}.") from None
 
 
+def schedules_anything(config: Any) -> bool:
+    """Whether a LISA adapter's settings (a ``LisaConfig`` or its ``adapter_config.json`` dict) act through
+    ``LisaAdapterCallback``: block sampling (γ > 0), sparse masks, or layer interpolation. Without any, a LISA adapter
+    is the same update as LoRA and ``hf-lisa train`` runs no schedule for it
+    (:func:`hf_lisa.tuner.schedule_guard.settings_needing_schedule` decides the same once the blocks are known)."""
+    def get(name: str) -> Any:
+        return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+    sparse = float(get("sparsity") or 0) > 0 or any((get("sparsity_pattern") or {}).values())
+    return int(get("lisa_activated_layers") or 0) > 0 or sparse or bool(get("layer_interpolation"))
+
+
 def method_of_adapter(adapter_config: Mapping[str, Any]) -> Optional[str]:
     """The method that trains adapters of ``adapter_config`` (a PEFT ``adapter_config.json``), or ``None`` when no
     method of this table does (another PEFT type)."""

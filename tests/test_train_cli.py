@@ -332,3 +332,28 @@ def test_the_loss_plot_marks_the_steps_where_blocks_switched(tmp_path, monkeypat
     path = plot_losses(history, str(tmp_path / "loss.png"), before_eval_loss=5.0, switch_steps=[6, 3, 3])
     assert path and (tmp_path / "loss.png").stat().st_size > 0
     assert drawn == [(3, "blocks switched"), (6, None)]  # once each, in order, one legend entry
+
+
+@pytest.mark.slow
+def test_a_lisa_adapter_at_its_defaults_says_it_is_lora_and_resumes_without_a_schedule(tiny, tmp_path, capsys):
+    """Issue 36 item 5: ``--method lisa-adapter`` at γ=0, ρ=0 trains exactly LoRA's update. The start line names
+    that, no internal "nothing to schedule" warning reaches the user (no callback runs), and its checkpoints resume
+    as a lisa-adapter run."""
+    import warnings
+
+    out = tmp_path / "run"
+    argv = [
+        "--model_name_or_path", tiny["model"], "--train_file", tiny["train"], "--output_dir", str(out),
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--learning_rate", "5e-3", "--save_steps", "2",
+        "--report_to", "none", "--use_cpu", "true", "--disable_tqdm", "true", "--eval_generation_samples", "0",
+        "--max_seq_length", "64", "--validation_split_percentage", "0", "--method", "lisa-adapter", "--r", "4",
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["train", *argv]) == 0
+    printed = capsys.readouterr()
+    assert ("method=lisa-adapter (LISA adapters: dense low-rank updates on every block (sparsity 0, no sampling: the "
+            "same update as LoRA))") in printed.out
+    assert "nothing to schedule" not in printed.err + " ".join(str(w.message) for w in caught)
+    assert cli.main(["train", *argv[:-6], "--max_steps", "6", "--method", "lisa-adapter", "--r", "4",
+                     "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 0

@@ -10,7 +10,7 @@ import logging
 import torch
 from torch import nn
 
-from ..methods import get_method
+from ..methods import get_method, schedules_anything
 from .arguments import LisaArguments, ModelArguments, lisa_config_kwargs
 from .options import LORA_CONFIG_NAMES, uses
 from .quantization import bnb_config
@@ -131,7 +131,12 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
 
         from ..tuner.config import LisaConfig
 
-        peft_model = get_peft_model(model, LisaConfig(task_type=peft_task_type(model), **settings))
+        config = LisaConfig(task_type=peft_task_type(model), **settings)
+        peft_model = get_peft_model(model, config)
+        if not schedules_anything(config):
+            # γ = 0, ρ = 0, no interpolation: the same update as LoRA, nothing for the schedule to do; the start line
+            # and the card say so (no callback, so no "nothing to schedule" warning a CLI user cannot act on)
+            return peft_model, []
         callback = LisaAdapterCallback(seed=seed, optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
         return peft_model, [callback]
 

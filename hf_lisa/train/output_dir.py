@@ -34,7 +34,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import UsageError
 from ..hub.summary import TRAINING_SUMMARY_NAME
-from ..methods import FULL, METHODS, method_of_adapter
+from ..methods import FULL, METHODS, method_of_adapter, schedules_anything
 from ..scheduler.state import LISA_STATE_FILE
 from ..trainer_callbacks.state import stored_schedule_settings
 from .run_lock import LOCK_NAME, OutputDirLock, check_not_in_use
@@ -196,8 +196,8 @@ def _checkpoint_method(checkpoint: str, schedules: dict) -> str:
     with open(adapter_config) as f:
         config = json.load(f)
     method = method_of_adapter(config)
-    if method is not None and not METHODS[method].samples_layers:
-        return method
+    if method is not None and (not METHODS[method].samples_layers or not schedules_anything(config)):
+        return method  # a LISA adapter with nothing to schedule (γ = 0, ρ = 0) is trained without a callback
     return f"a {config.get('peft_type')} adapter without a LISA schedule"
 
 

@@ -119,6 +119,17 @@ def start_notes(training_args, held_out: int = 0, validation_split_percentage: f
     return notes
 
 
+def _what_trains(model) -> str:
+    """`` (LISA adapters: ...)`` for a LISA adapter, naming what it trains (the same words as its card); else ``""``."""
+    configs = getattr(model, "peft_config", None) or {}
+    config = configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
+    if config is None or str(getattr(config, "peft_type", "")).upper().split(".")[-1] != "LISA":
+        return ""
+    from ..hub.card_tables import lisa_adapter_title
+
+    return f" ({lisa_adapter_title(config.to_dict())})"
+
+
 def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[str], store: dict,
                       schedules: Sequence = (), notes: Sequence[str] = ()):
     from transformers import TrainerCallback
@@ -134,7 +145,7 @@ def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[s
             blocks = info["active_blocks"]
             shown = ",".join(map(str, blocks)) if len(blocks) <= 8 else f"{len(blocks)} blocks"
             line = (
-                f"[{SUMMARY_PREFIX}] method={method} | trainable {_fmt_count(info['trainable_params'])} of "
+                f"[{SUMMARY_PREFIX}] method={method}{_what_trains(model)} | trainable {_fmt_count(info['trainable_params'])} of "
                 f"{_fmt_count(info['total_params'])} params (embeddings {_fmt_count(groups['embeddings'])}, blocks "
                 f"{_fmt_count(groups['blocks'])}, head/other {_fmt_count(groups['other'])}) | active blocks "
                 f"{len(blocks)}/{info['num_blocks']} [{shown}] | output_dir={output_dir}"
