@@ -18,6 +18,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from typing import IO, Callable, Iterator, Optional, Sequence
 
 from .errors import RunError, UsageError
@@ -141,7 +142,9 @@ def render_bounded(render: Callable[[], str], template: str) -> str:
 
     fix = "fix it, or pass --chat_template with another template (a built-in name or a Jinja file)"
     timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    previous = None
+    outer = signal.getitimer(signal.ITIMER_REAL) if timed else (0.0, 0.0)  # an alarm someone else set
+    timed = timed and not 0 < outer[0] <= RENDER_SECONDS  # theirs rings first: their handler stays
+    previous, started = None, time.monotonic()
     if timed:
         def stop(signum, frame):
             raise _RenderTimeout()
@@ -159,6 +162,8 @@ def render_bounded(render: Callable[[], str], template: str) -> str:
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            if outer[0] > 0:  # re-armed with what was left of it
+                signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - started), 1e-3), outer[1])
     if len(text) > MAX_RENDERED_CHARS:
         raise UsageError(f"{template} rendered a prompt of {len(text):,} characters (more than {MAX_RENDERED_CHARS:,});"
                          f" {fix}.")
