@@ -357,3 +357,15 @@ def test_a_lisa_adapter_at_its_defaults_says_it_is_lora_and_resumes_without_a_sc
     assert "nothing to schedule" not in printed.err + " ".join(str(w.message) for w in caught)
     assert cli.main(["train", *argv[:-6], "--max_steps", "6", "--method", "lisa-adapter", "--r", "4",
                      "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 0
+
+
+@pytest.mark.slow
+def test_a_sparse_lisa_adapter_says_its_costs_before_the_first_step(tiny, tmp_path, capsys):
+    """Issue 36 item 5: the mask calibration's extra passes and the lossy LoRA export are said up front."""
+    assert cli.main(["train", *_common(tiny, tmp_path / "run", "lisa-adapter", "--sparsity", "0.5",
+                                       "--importance_steps", "2", "--eval_strategy", "no")]) == 0
+    out = capsys.readouterr().out
+    assert "sparse low-rank updates (sparsity 0.5), 1 block(s) trained at a time, re-sampled every 2 steps" in out
+    assert "calibrated from |dL/dW| over 2 extra forward/backward passes" in out
+    assert out.index("calibrated from") < out.index("trained 4 steps")
+    assert "export lora` of a sparse adapter is a truncated SVD" in out

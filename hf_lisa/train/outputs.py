@@ -130,6 +130,24 @@ def _what_trains(model) -> str:
     return f" ({lisa_adapter_title(config.to_dict())})"
 
 
+def _sparse_costs(model) -> list[str]:
+    """What a sparse LISA adapter costs beyond LoRA, said before the first step (issue 36: a calibration step of
+    minutes under load came unannounced)."""
+    configs = getattr(model, "peft_config", None) or {}
+    config = configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
+    if config is None or not (getattr(config, "sparsity", 0) or any((getattr(config, "sparsity_pattern", None)
+                                                                      or {}).values())):
+        return []
+    notes = ["sparse masks cost extra compute: "]
+    if getattr(config, "mask_init", None) == "importance":
+        notes[0] += (f"before the first step, the masks are calibrated from |dL/dW| over {config.importance_steps} "
+                     "extra forward/backward passes that train nothing; ")
+    if getattr(config, "mask_update_interval", 0):
+        notes[0] += f"every {config.mask_update_interval} steps each active layer's mask is re-selected; "
+    notes[0] += "`hf-lisa export lora` of a sparse adapter is a truncated SVD (lossy; it reports the error)"
+    return notes
+
+
 def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[str], store: dict,
                       schedules: Sequence = (), notes: Sequence[str] = ()):
     from transformers import TrainerCallback
@@ -156,7 +174,7 @@ def _summary_callback(method: str, output_dir: str, layers_attribute: Optional[s
                 shown = ", ".join(never[:6]) + (f" and {len(never) - 6} more" if len(never) > 6 else "")
                 line += (f"\n[{SUMMARY_PREFIX}] never trains (outside the blocks, not in --lisa_always_trainable): "
                          f"{shown}")
-            line += "".join(f"\n[{SUMMARY_PREFIX}] {note}" for note in notes)
+            line += "".join(f"\n[{SUMMARY_PREFIX}] {note}" for note in (*notes, *_sparse_costs(model)))
             if state.is_world_process_zero:
                 print(line, flush=True)
 
