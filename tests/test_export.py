@@ -562,3 +562,27 @@ def test_export_lora_of_a_lora_adapter_says_it_is_already_one_to_serve_as_is(bas
     err = capsys.readouterr().err
     assert f"this is already a PEFT {kind} adapter" in err and "serve the folder directly" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_never_runs_a_tokenizers_own_code(base, dense, tmp_path, capsys):
+    """Issue 33 (security): a tokenizer whose config maps to its own Python code is refused by name; the code never
+    runs and transformers' y/N question is never asked."""
+    from hf_lisa.cli import main
+
+    custom = tmp_path / "custom_base"
+    shutil.copytree(base, custom)
+    marker = tmp_path / "ran"
+    (custom / "tok.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "from transformers import PreTrainedTokenizerFast\nclass MyTok(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((custom / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tok.MyTok"]}
+    (custom / "tokenizer_config.json").write_text(json.dumps(config))
+    status = main(["export", "merged", dense, str(tmp_path / "out"), "--base_model", str(custom),
+                   "--skip_logit_check"])
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    # transformers 5.x loads tokenizer.json with its own class and ignores the auto_map; a version that insists on
+    # the custom class gets the refusal, by name, with nothing written
+    assert status == 0 or (status == 2 and "needs its own Python code" in err and str(custom) in err
+                           and not (tmp_path / "out").exists())

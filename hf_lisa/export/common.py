@@ -371,8 +371,13 @@ def load_tokenizer(*sources: Optional[str]):
             logger.info("No tokenizer from %s: its tokenizer files include a link out of it.", source)
             continue
         try:
-            return AutoTokenizer.from_pretrained(source)
+            # never the model's own code, and never transformers' y/N question on stdin (issue 33)
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as exc:
+            if "trust_remote_code" in str(exc) or "custom code" in str(exc):
+                raise UsageError(f"the tokenizer in {source} needs its own Python code (an auto_map in its config); "
+                                 "hf-lisa never runs code that comes with a model. Export with a tokenizer that "
+                                 "transformers provides.") from None
             logger.info("No tokenizer from %s (%s).", source, exc)
     return None
 
