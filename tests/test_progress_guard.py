@@ -4,6 +4,9 @@ and a sparse adapter's mask calibration (its updates withheld) do not trip it.""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -16,7 +19,7 @@ from hf_lisa.errors import NothingTrainedError
 from hf_lisa.scheduler import MaskScheduler
 from hf_lisa.train import LisaTrainer
 from hf_lisa.tuner.schedule_guard import attach_schedule
-from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback, TrainingProgressGuard
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback, TrainingProgressGuard, progress
 
 
 class _ZeroLoss:
@@ -217,3 +220,113 @@ def test_the_fingerprint_samples_inside_a_large_tensor():
     small = _Fingerprint(torch.arange(5, dtype=torch.float32), 16)
     assert small.sample.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert _Fingerprint(torch.zeros(0), 16).sample.numel() == 0
+
+
+# -- updates too small for the weights (issue 33, item 8) --------------------------------------------------------------
+def _command(tmp_path, capsys, caplog, *options: str) -> tuple[int, list[str], list[str]]:
+    """``hf-lisa train`` on the 2-block fixture model at a constant learning rate: (exit status, its error lines,
+    the guard's warnings)."""
+    model_dir = tmp_path / "model"
+    if not model_dir.exists():
+        build_tiny_lm_dir(model_dir, num_layers=2)
+    train = write_jsonl(tmp_path / "train.jsonl", copy_task_rows(16, seed=0))
+    caplog.set_level(logging.WARNING, logger=progress.__name__)
+    status = cli.main([
+        "train", "--model_name_or_path", str(model_dir), "--train_file", train, "--validation_split_percentage", "0",
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "4", "--lr_scheduler_type", "constant",
+        "--per_device_train_batch_size", "4", "--max_seq_length", "32", "--save_strategy", "no", "--report_to",
+        "none", "--use_cpu", "true", "--disable_tqdm", "true", "--eval_generation_samples", "0", *options,
+    ])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hf-lisa train:")]
+    return status, errors, [r.getMessage() for r in caplog.records if r.name == progress.__name__]
+
+
+def _measured(message: str) -> float:
+    """The ||dW||/||W|| the guard's message quotes."""
+    return float(re.search(r"moved by ([0-9.e+-]+) of their size", message).group(1))
+
+
+def test_bf16_weights_at_a_rate_below_their_precision_stop(tmp_path, capsys, caplog):
+    """bfloat16 weights at lr 1e-8: a handful of values near 0 change (so the weights did change), the rest round
+    back. The run stops naming what was measured and what to do; before, it passed and exited 0."""
+    status, errors, warnings = _command(tmp_path, capsys, caplog, "--method", "full", "--torch_dtype", "bfloat16",
+                                 "--learning_rate", "1e-8")
+    assert status == 1 and len(errors) == 1 and not warnings, errors
+    error = errors[0]
+    assert error.startswith("hf-lisa train: error: nothing trained in 3 optimizer step(s) at the full learning rate "
+                            "(steps 1-3): expected to train ")
+    assert "the updates were too small for the weights" in error and "(bfloat16) moved by" in error
+    assert _measured(error) < progress.MIN_UPDATE  # 2.0e-9 (the module's table)
+    assert "raise the learning rate (--learning_rate)" in error and "--torch_dtype float32" in error
+
+
+def test_lora_at_1e_12_stops_although_b_leaves_zero(tmp_path, capsys, caplog):
+    """LoRA's B starts at 0: any update changes it (1e-12 is representable), so 'did a weight change' passed. Measured
+    against the A it multiplies, the update is 7e-12 of the weights' size."""
+    status, errors, _ = _command(tmp_path, capsys, caplog, "--method", "lora", "--learning_rate", "1e-12")
+    assert status == 1 and len(errors) == 1, errors
+    assert "nothing trained in 3 optimizer step(s) at the full learning rate" in errors[0]
+    assert ".lora_A.default.weight" in errors[0] and "(float32) moved by" in errors[0]
+    assert _measured(errors[0]) < 1e-10
+
+
+def test_a_rate_in_the_grey_zone_warns_and_trains_on(tmp_path, capsys, caplog):
+    """fp32 weights at lr 1e-8 do move (1.2e-7 of their size): above what the guard stops, below what runs at the
+    rates people train at measure. The run goes on with one warning that says what was measured and what to do."""
+    status, errors, warnings = _command(tmp_path, capsys, caplog, "--method", "full", "--learning_rate", "1e-8")
+    assert status == 0 and not errors
+    assert len(warnings) == 1, warnings
+    assert "the updates were too small for the weights in steps 1-3 at learning rate 1e-08" in warnings[0]
+    assert progress.MIN_UPDATE <= _measured(warnings[0]) < progress.WARN_UPDATE
+    assert "the run goes on" in warnings[0] and "raise the learning rate" in warnings[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_normal_rate_passes_at_its_first_step_and_records_its_update(tiny_llama, token_dataset, training_args,
+                                                                       dtype, caplog):
+    """lr 1e-5, the lowest rate the methods train at: fp32 weights move by a few lr / 0.02 (their std) diluted by
+    the norm weights (1.0); bf16 weights lose the updates of their larger values. Both pass at their first step, 10x
+    or more above WARN_UPDATE, with no warning."""
+    model = tiny_llama(seed=0, num_layers=2).to(dtype)
+    trainer = LisaTrainer(model=model, args=training_args(max_steps=2, learning_rate=1e-5),
+                          train_dataset=token_dataset())
+    with caplog.at_level(logging.WARNING, logger=progress.__name__):
+        trainer.train()
+    guard = _guard(trainer)
+    assert (guard.passed_at, guard.checked) == (1, 0) and not caplog.records
+    assert 10 * progress.WARN_UPDATE <= guard.update_size < 1e-3
+
+
+def test_a_warmup_is_judged_at_the_full_rate(tiny_llama, token_dataset, training_args):
+    """bf16 weights under a linear warmup to lr 1e-8: steps 2-3 (lr 0.25e-8, 0.5e-8 ... ) are not counted however
+    little they move; from the full rate on the updates are judged, and the run stops at steps 3-5."""
+    model = tiny_llama(seed=0, num_layers=2).to(torch.bfloat16)
+    trainer = LisaTrainer(model=model, args=training_args(max_steps=10, learning_rate=1e-8, warmup_steps=4),
+                          train_dataset=token_dataset())
+    with pytest.raises(NothingTrainedError, match=r"at the full learning rate \(steps 3-5\).*too small for the "
+                                                  r"weights in steps 3-5 at learning rate"):
+        trainer.train()
+
+
+def test_a_long_warmup_of_bf16_weights_does_not_trip(tiny_llama, token_dataset, training_args):
+    """A warmup's first steps move bf16 weights by less than their precision, legitimately (lr 1e-4 over 1000 warmup
+    steps starts at 1e-7): the updates' size waits for the full rate, which these 6 steps never reach."""
+    model = tiny_llama(seed=0, num_layers=2).to(torch.bfloat16)
+    trainer = LisaTrainer(model=model, args=training_args(max_steps=6, learning_rate=1e-4, warmup_steps=1000),
+                          train_dataset=token_dataset(), progress_check_steps=1)
+    trainer.train()
+    guard = _guard(trainer)
+    assert (guard.passed_at, guard.checked, guard.update_size) == (None, 0, None)
+
+
+def test_the_update_size_measures_a_zero_tensor_against_the_others():
+    """||dW||/||W|| pooled over tensors: B (all zeros, as LoRA starts) counts at the mean size of the others, so that
+    B moving by 1e-3 next to an A of std 0.1 (same size) measures 1e-3 / 0.1 / sqrt(2); all zeros has no size."""
+    from hf_lisa.trainer_callbacks.progress import _Fingerprint, _update_size
+
+    a = torch.full((64,), 0.1)
+    b, b_after = torch.zeros(64), torch.full((64,), 1e-3)
+    pairs = [(_Fingerprint(a, 1024), _Fingerprint(a, 1024)), (_Fingerprint(b, 1024), _Fingerprint(b_after, 1024))]
+    size, changed = _update_size(pairs, "cpu")
+    assert size == pytest.approx(1e-3 / 0.1 / 2 ** 0.5) and changed == 0.5
+    assert _update_size([(_Fingerprint(b, 16), _Fingerprint(b_after, 16))], "cpu") is None
