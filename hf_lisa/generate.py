@@ -148,6 +148,9 @@ def check_source(value: str, option: str) -> str:
     except HFValidationError:
         raise UsageError(f"{option}={value!r} does not exist: no such folder, and not a Hub id ('name' or "
                          "'namespace/name').") from None
+    from .generate_guards import check_not_meant_locally
+
+    check_not_meant_locally(value, option)
     return "hub"
 
 

@@ -1,7 +1,8 @@
 """``hf-lisa generate MODEL --prompts FILE --output OUT.jsonl``: one reply per prompt of a file, as JSON lines.
 
 Prompts come from a ``.txt`` file (one per line) or a ``.jsonl`` file (a ``prompt`` string or a ``messages`` list per
-line; every other field is carried to the output, e.g. a ``completion`` to compare with). Blank lines are skipped.
+line, or an Alpaca or ShareGPT row as ``hf-lisa train`` reads them, its reply left out of the prompt; every other
+field is carried to the output, e.g. a ``completion`` or Alpaca ``output`` to compare with). Blank lines are skipped.
 Each output line holds the row's carried fields, its ``prompt`` or ``messages``, and the ``generation``, in the input
 order. The file is written beside its target and renamed into place when complete (an interrupted run leaves no half
 file; what a killed one left, the next run in that folder removes), and an existing output is replaced only with
@@ -44,7 +45,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     """The options of ``hf-lisa generate``; imports nothing heavy."""
     add_model_arguments(parser, temperature=0.0, top_p=None)
     parser.add_argument("--prompts", required=True, metavar="FILE",
-                        help="the prompts: .txt (one per line) or .jsonl ('prompt' string or 'messages' list per line)")
+                        help="the prompts: .txt (one per line) or .jsonl ('prompt' string or 'messages' list per line, or "
+                        "Alpaca / ShareGPT rows: their reply is the reference, not the prompt)")
     parser.add_argument("--output", required=True, metavar="OUT.jsonl",
                         help="the JSON lines to write (written whole or not at all); '-' for stdout")
     parser.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -65,6 +67,47 @@ def _bad_messages(messages) -> Optional[str]:
         return ("the last message is the assistant's: a reply follows a user turn; drop it (or keep it in another "
                 "field, e.g. 'reference', to compare with)")
     return None
+
+
+def _bad_dataset_row(row: dict) -> Optional[str]:
+    """Why an Alpaca (``instruction``, optional ``input``/``system``) or ShareGPT (``conversations``) row cannot be
+    prompted, or ``None``. Its reply (``output``, or the trailing assistant turns) is the reference, carried as is."""
+    if "instruction" in row:
+        for key in ("instruction", "input", "system"):
+            if key in row and row[key] is not None and not isinstance(row[key], str):
+                return f"Alpaca row: {key!r} must be a string, got {type(row[key]).__name__}"
+        return None if row["instruction"].strip() else "Alpaca row: 'instruction' is empty"
+    from .train.formats import SHAREGPT_ROLES
+
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str)
+                                              and t.get("from") in SHAREGPT_ROLES for t in turns):
+        return (f"ShareGPT row: 'conversations' must be a list of {{'from', 'value'}} turns, 'from' one of "
+                f"{sorted(SHAREGPT_ROLES)}")
+    if not any(SHAREGPT_ROLES[t["from"]] == "user" for t in turns):
+        return "ShareGPT row: no user turn to reply to"
+    return None
+
+
+def prompt_of(row: dict, chat: bool):
+    """What to render for ``row``: its ``prompt`` or ``messages``; an Alpaca row as training renders it (chat
+    messages with a template, the Stanford Alpaca prompt without); a ShareGPT row's turns up to its last user turn
+    (the assistant turns after it are the reference, not the prompt)."""
+    if "prompt" in row or "messages" in row:
+        return row.get("prompt", row.get("messages"))
+    from .train.formats import SHAREGPT_ROLES, alpaca_prompt
+
+    system = row.get("system") if isinstance(row.get("system"), str) and row["system"].strip() else None
+    head = [{"role": "system", "content": system}] if system else []
+    if "instruction" in row:
+        if not chat:
+            return alpaca_prompt(row["instruction"], row.get("input"), system)
+        user = row["instruction"] + (f"\n\n{row['input']}" if (row.get("input") or "").strip() else "")
+        return head + [{"role": "user", "content": user}]
+    messages = head + [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in row["conversations"]]
+    while messages[-1]["role"] != "user":
+        messages.pop()
+    return messages
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -100,9 +143,18 @@ def read_prompts(path: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise UsageError(f"{at}: a JSON object is expected, got {type(row).__name__}.")
             present = [key for key in ("prompt", "messages") if key in row]
+            if not present and ("instruction" in row or "conversations" in row):
+                bad = _bad_dataset_row(row)  # an Alpaca or ShareGPT row, as `hf-lisa train` reads them
+                if bad:
+                    raise UsageError(f"{at}: {bad}.")
+                if GENERATION_FIELD in row:
+                    raise UsageError(f"{at}: the field {GENERATION_FIELD!r} is where the reply goes; rename it.")
+                rows.append(row)
+                continue
             if len(present) != 1:
-                raise UsageError(f"{at}: a row needs exactly one of 'prompt' (a string) or 'messages' (a list); it "
-                                 f"has {present or 'neither'} among {sorted(row)}.")
+                raise UsageError(f"{at}: a row needs exactly one of 'prompt' (a string) or 'messages' (a list), or "
+                                 "an Alpaca 'instruction' or ShareGPT 'conversations'; it has "
+                                 f"{present or 'neither'} among {sorted(row)}.")
             if present == ["prompt"] and not isinstance(row["prompt"], str):
                 raise UsageError(f"{at}: 'prompt' must be a string, got {type(row['prompt']).__name__}.")
             bad = _bad_messages(row["messages"]) if present == ["messages"] else None
@@ -159,7 +211,7 @@ def generate_command(args: argparse.Namespace) -> int:
     loaded = load_sources(sources, device=args.device, torch_dtype=args.torch_dtype, chat_template=args.chat_template,
                           system=args.system)
     # every prompt renders (a conversation without a template is refused) before any generation runs
-    encoded = [loaded.encode(row.get("prompt", row.get("messages"))) for row in rows]
+    encoded = [loaded.encode(prompt_of(row, loaded.chat)) for row in rows]
     check_output_outside_sources(args.output, loaded.folders)  # a Hub adapter's base is known once it has loaded
     print(f"hf-lisa generate: {len(rows)} prompt(s), {loaded.description}, "
           f"{'sampling' if settings.sampling else 'greedy'}", file=sys.stderr, flush=True)

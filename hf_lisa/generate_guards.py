@@ -275,3 +275,20 @@ def no_space_error(exc: OSError, output: str) -> Optional[RunError]:
     where = "stdout" if output == "-" else f"--output={output!r} (staged beside it, so nothing was replaced)"
     return RunError(f"no space left on the device while writing {where}: free some space, or choose another --output, "
                     "and run again.")
+
+
+def check_not_meant_locally(value: str, option: str) -> None:
+    """Refuse a Hub-id-shaped ``value`` that is a missing local folder: ``runs/typo`` where ``./runs`` exists, or
+    any id under ``HF_HUB_OFFLINE`` that the Hub cache does not hold (the Hub would say "empty repo", or retry for
+    a minute, instead of "no such folder")."""
+    first = value.split("/")[0]
+    if "/" in value and os.path.isdir(first):
+        raise UsageError(f"{option}={value!r}: no such folder ({first}/ exists, {value} does not). A Hub id with the "
+                         f"same spelling would be read as ./{first}/... first; rename the local folder to use one.")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() not in ("1", "ON", "YES", "TRUE"):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not any(isinstance(try_to_load_from_cache(value, name), str) for name in ("config.json", "adapter_config.json")):
+        raise UsageError(f"{option}={value!r}: no such folder, and HF_HUB_OFFLINE is set: it is not in the Hub "
+                         "cache either, so it cannot be loaded as a Hub repo.")

@@ -152,6 +152,46 @@ def test_generate_writes_one_line_per_prompt_in_order_equal_to_direct_greedy_gen
     assert os.listdir(out.parent) == ["generations.jsonl"]  # no staging file left beside it
 
 
+DATASET_ROWS = [
+    {"instruction": "say a", "input": "", "output": "a"},
+    {"instruction": "add", "input": "2+2", "output": "4", "system": "be brief"},
+    {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"},
+                       {"from": "human", "value": "count"}, {"from": "gpt", "value": "1 2 3"}], "system": "x"},
+]
+#: what each row above is prompted with: the reply (Alpaca's output, ShareGPT's trailing turn) is never in it
+DATASET_PROMPTS = [
+    [{"role": "user", "content": "say a"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add\n\n2+2"}],
+    [{"role": "system", "content": "x"}, {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+     {"role": "user", "content": "count"}],
+]
+
+
+def test_generate_reads_alpaca_and_sharegpt_rows_as_train_does(tiny, tmp_path, capsys):
+    """Issue 36 item 4: held-out rows of the formats `hf-lisa train` reads are prompts as they are; their reply is
+    the reference carried beside the generation, never part of the prompt."""
+    path, model, tokenizer = tiny
+    prompts = write_jsonl(tmp_path / "heldout.jsonl", DATASET_ROWS)
+    out = tmp_path / "generations.jsonl"
+    status, _, err = run_cli(["generate", path, "--prompts", prompts, "--output", str(out), *GREEDY], capsys)
+    assert status == 0, err
+    lines = read_lines(out)
+    assert [line["generation"] for line in lines] == [greedy_reply(model, tokenizer, p) for p in DATASET_PROMPTS]
+    assert [{k: v for k, v in line.items() if k != "generation"} for line in lines] == DATASET_ROWS
+    # without a chat template, an Alpaca row is the Stanford Alpaca prompt, as training renders it
+    from hf_lisa.train.formats import alpaca_prompt
+
+    status, stdout, err = run_cli(["generate", path, "--prompts", write_jsonl(tmp_path / "a.jsonl", DATASET_ROWS[:2]),
+                                   "--output", "-", "--chat_template", "never", *GREEDY], capsys)
+    assert status == 0, err
+    assert [json.loads(line)["generation"] for line in stdout.splitlines()] == [
+        greedy_reply(model, tokenizer, alpaca_prompt("say a"), chat=False),
+        greedy_reply(model, tokenizer, alpaca_prompt("add", "2+2", "be brief"), chat=False)]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}])
+    status, _, err = run_cli(["generate", path, "--prompts", bad, "--output", "-", *GREEDY], capsys)
+    assert status == 2 and "line 1: ShareGPT row: 'conversations' must be a list" in err
+
+
 def test_generate_reads_a_txt_file_as_raw_prompts_with_chat_template_never_and_writes_to_stdout(tiny, tmp_path, capsys):
     path, model, tokenizer = tiny
     prompts = tmp_path / "prompts.txt"
@@ -457,3 +497,16 @@ def test_a_lisa_adapter_on_smollm2_and_its_merge_give_the_peft_models_replies(sm
         assert status == 0, err
         assert [line["generation"] for line in read_lines(out)] == expected, source
 
+
+
+def test_a_missing_folder_is_named_as_one_not_looked_up_as_a_hub_repo(tiny, tmp_path, capsys, monkeypatch):
+    """Issue 36 item 4: ``hf-lisa chat runs/nonexistent`` (with ./runs present), or any uncached id offline, says
+    "no such folder" at once instead of describing an empty Hub repo or retrying the network."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    status, _, err = run_cli(["chat", "runs/nonexistent"], capsys)
+    assert status == 2 and "'runs/nonexistent': no such folder (runs/ exists, runs/nonexistent does not)" in err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    status, _, err = run_cli(["generate", "someone/model", "--prompts", write_jsonl(tmp_path / "p.jsonl", PROMPT_ROWS),
+                              "--output", "-"], capsys)
+    assert status == 2 and "'someone/model': no such folder, and HF_HUB_OFFLINE is set" in err
