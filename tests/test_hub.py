@@ -937,3 +937,20 @@ def test_push_of_full_weights_reads_only_the_safetensors_beside_a_pickle(hub, tm
     assert seen == [] and not marker.exists()
     files = hub.files("alice/full-beside-pickle")
     assert "model.safetensors" in files and not [name for name in files if name.endswith(PICKLE_SUFFIXES)]
+
+
+def test_push_dry_run_prints_the_files_and_card_and_sends_nothing(hub, trained, capsys, monkeypatch):
+    """Issue 36 item 6: ``hf-lisa push --dry_run`` shows what a push would upload (file list, the card) without a
+    token and without a single request, and refuses what a real push refuses."""
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    before = len(hub.state.requests)
+    assert hub_cli(["push", str(trained["dir"]), "alice/dry-run", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert len(hub.state.requests) == before  # nothing reached the server, not even a lookup
+    assert "dry run: nothing was uploaded" in out and "to alice/dry-run (adapter)" in out
+    listed = [line.split()[0] for line in out.split("README.md (the model card):")[0].splitlines()
+              if line.startswith("  ")]
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "loss.png"} <= set(listed)
+    assert not [name for name in listed if name.endswith((".bin", ".pt"))]  # the output dir holds both
+    assert f"base_model: {BASE_REPO}" in out and "library_name: peft" in out
+    assert ("model", "alice/dry-run") not in hub.state.repos

@@ -42,6 +42,9 @@ def add_push_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         help="Largest safetensors shard in merged mode (default 5GB).")
     parser.add_argument("--max_retries", "--max-retries", dest="max_retries", type=int, default=3,
                         help="Retries on transient HTTP errors (default 3).")
+    parser.add_argument("--dry_run", "--dry-run", dest="dry_run", action="store_true",
+                        help="Build and check everything, print the file list and the model card a push would "
+                        "upload, and upload nothing (no request is made; no token needed).")
     return parser
 
 
@@ -59,7 +62,7 @@ def push_command(args: argparse.Namespace) -> int:
         info = push_to_hub(
             args.output_dir, args.repo_id, mode=args.mode, private=args.private, revision=args.revision,
             commit_message=args.commit_message, token=args.token, base_model=args.base_model,
-            max_shard_size=args.max_shard_size, max_retries=args.max_retries,
+            max_shard_size=args.max_shard_size, max_retries=args.max_retries, dry_run=args.dry_run,
         )
     except HubPushError as exc:  # the Hub or the connection failed: a failure while running
         print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
@@ -67,7 +70,7 @@ def push_command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, TypeError) as exc:  # what was asked cannot be pushed
         print(f"hf-lisa push: error: {redact(str(exc))}", file=sys.stderr)
         return 2
-    print(str(info))
+    print(info.format() if args.dry_run else str(info))
     return 0
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 from .card import _method_of, render_model_card
@@ -177,9 +178,28 @@ def _upload(api, repo_id: str, folder: str, files: list[str], message: str, priv
             time.sleep(wait)
 
 
+@dataclass
+class PushPlan:
+    """What ``push_to_hub(..., dry_run=True)`` would upload: ``files`` as ``(name, bytes)``, the card's text."""
+
+    repo_id: str
+    mode: str
+    message: str
+    card: str
+    files: list
+
+    def format(self) -> str:
+        lines = [f"dry run: nothing was uploaded. A push would make one commit to {self.repo_id} ({self.mode}), "
+                 f"{self.message!r}, with {len(self.files)} file(s):"]
+        lines += [f"  {name}  ({size / 2**20:.2f} MiB)" if size >= 2**20 else f"  {name}  ({size} B)"
+                  for name, size in self.files]
+        return "\n".join(lines + ["", "README.md (the model card):", "", self.card])
+
+
 def _inherit_license(api, hub_base: Optional[str]) -> Optional[str]:
-    """The base model's license from its Hub card, best effort: a card without one is still a valid card."""
-    if not hub_base:
+    """The base model's license from its Hub card, best effort: a card without one is still a valid card. ``api``
+    ``None`` (a dry run): no request, no license."""
+    if not hub_base or api is None:
         return None
     try:
         data = api.model_info(hub_base, timeout=10).card_data
@@ -284,6 +304,7 @@ def push_to_hub(
     endpoint: Optional[str] = None,
     max_retries: int = 3,
     retry_base_wait: float = 1.0,
+    dry_run: bool = False,
 ):
     """Push a LISA adapter or merged model to the Hub as one commit with a complete model card.
 
@@ -324,9 +345,12 @@ def push_to_hub(
         max_retries: retries of the commit on the transient errors ``huggingface_hub`` retries (5xx, 429, dropped
             connections); the file uploads are retried by ``huggingface_hub`` itself.
         retry_base_wait: first wait before a commit retry, in seconds; doubles at each retry, capped at 30 s.
+        dry_run: build, check and render everything a push would upload, and return it instead of uploading: no
+            request is made (so no license is read from the base model's Hub card).
 
     Returns:
-        `huggingface_hub.CommitInfo`: the URL of the commit (a ``str``), with ``.oid``.
+        `huggingface_hub.CommitInfo`: the URL of the commit (a ``str``), with ``.oid``; with ``dry_run``, a
+        :class:`PushPlan` (the files with their sizes, the card's text, the commit message).
 
     Raises:
         HubPushError: the Hub refused or failed the push (the message names the step and the HTTP status).
@@ -348,12 +372,15 @@ def push_to_hub(
     with tempfile.TemporaryDirectory(prefix="hf-lisa-push-") as folder:
         staged, hub_base = _stage_for_hub(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model,
                                           training_summary, card_data)
-        api = HfApi(endpoint=endpoint, token=token)
+        api = None if dry_run else HfApi(endpoint=endpoint, token=token)
         card = _card_for(api, repo_id, staged, hub_base, card, card_data)
         card.save(os.path.join(folder, README_NAME))
         files = _collect_files(folder, staged.mode, staged.loss_plot)
         _validate_staged(staged, files)
         message = _commit_message(commit_message, staged)
+        if dry_run:
+            return PushPlan(repo_id=repo_id, mode=staged.mode, message=message, card=str(card),
+                            files=[(name, os.path.getsize(os.path.join(folder, name))) for name in sorted(files)])
         info = _upload(api, repo_id, folder, files, message, private, revision, max_retries, retry_base_wait,
                        _Redactor(token or get_token()))
     logger.info("Pushed %s to %s: %s", staged.mode, repo_id, info)
