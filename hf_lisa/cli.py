@@ -317,20 +317,23 @@ def _take_debug_flag(rest: list[str]) -> tuple[list[str], bool]:
 
 def _resume_hint(args: argparse.Namespace) -> str:
     """Where an interrupted ``train``/``demo`` run can resume from: the newest complete checkpoint of its output
-    directory, or that it has none."""
+    directory, or that it has none. The output directory is the one the run's own parse found
+    (:func:`hf_lisa.train.arguments.parsed_output_dir`): nothing is parsed or read again (a FIFO or a slow file named
+    by an option would block the interrupt)."""
     if args.command not in ("train", "demo"):
         return ""
     try:
-        from .demo import DEMO_DEFAULTS
-        from .train import parse_args
+        arguments = sys.modules.get("hf_lisa.train.arguments")
+        output_dir = arguments.parsed_output_dir(list(args.rest)) if arguments is not None else None
+        if output_dir is None:  # interrupted before its arguments were parsed
+            raise LookupError
         from .train.output_dir import latest_checkpoint
 
-        *_, training_args = parse_args(list(args.rest), defaults=DEMO_DEFAULTS if args.command == "demo" else None)
-        checkpoint = latest_checkpoint(training_args.output_dir)
+        checkpoint = latest_checkpoint(output_dir)
     except BaseException:  # noqa: BLE001 - interrupted during start-up (an import cut short, its own arguments): no hint
         return "It stopped during start-up, before training; a new run starts from the beginning."
     if checkpoint is None:
-        return f"No checkpoint was saved in {training_args.output_dir!r}; a new run starts from the beginning."
+        return f"No checkpoint was saved in {output_dir!r}; a new run starts from the beginning."
     return f"Resume from {checkpoint} with the same command and --resume_from_checkpoint latest."
 
 

@@ -161,6 +161,21 @@ def cached_dataset_files(n_train: int, n_validation: int = 64) -> tuple[str, str
     return str(directory / "train.jsonl"), str(directory / "validation.jsonl")
 
 
+def bundled_task_notice(n_train: int, n_validation: int = 64) -> str:
+    """The line ``hf-lisa train`` prints when it trains on this task because no data was named: what it trains on,
+    and how to name your own data."""
+    return (f"[hf-lisa] no --train_file or --dataset_name: training on the bundled arithmetic task ({n_train} "
+            f"generated word problems, {n_validation} more for evaluation; --demo_train_samples sets the count). Pass "
+            "--train_file FILE (.jsonl, .json, .csv, .parquet, .txt, or a folder of them) or --dataset_name ID to "
+            "train on your data.")
+
+
+def announce_bundled_task(n_train: int, main_process: bool = True) -> None:
+    """Print :func:`bundled_task_notice` (once, on the main process)."""
+    if main_process:
+        print(bundled_task_notice(n_train), flush=True)
+
+
 def load_task_or_file(train_file: Optional[str] = None, n_train: int = 1000, n_validation: int = 32):
     """Raw ``train``/``validation`` datasets: ``train_file`` (5% held out) when given, else the bundled task.
 

@@ -45,7 +45,8 @@ class Case:
     files: dict = field(default_factory=dict)
     config: str = ""  # a file of ``files`` given first, as the config file
     base: bool = True  # prepend BASE (a runnable command on the tiny model)
-    setup: str = ""  # "offline": HF_HUB_OFFLINE; "hub": the test Hub server as the endpoint; "gated": a gated repo
+    setup: str = ""  # "offline": HF_HUB_OFFLINE; "hub": the test Hub server as the endpoint; "gated": a gated repo;
+    # "hardlink": {tmp}/hard.jsonl, a hard link of {train}; "fifo": the first {tmp}/ file of argv, a FIFO
 
 
 BASE = (
@@ -293,6 +294,47 @@ CASES = [
           message=r"unrecognised argument\(s\): '--lisa_interval_step' \(did you mean '--lisa_interval_steps'\?\)"),
     error("deepspeed-file-missing", "--deepspeed", "{tmp}/missing_ds.json",
           message=r"--deepspeed='.*missing_ds\.json': no such file; allowed: the path of a DeepSpeed JSON config"),
+    # -- issue 33: typed at the default, files read twice or unbounded, library errors named -----------------------------
+    refused("lora-lisa_activated_layers-at-its-default", "--method", "lora", "--lisa_activated_layers", "2",
+            message=_does_not_use("lora", "lisa_activated_layers", "lisa, lisa-adapter")),
+    refused("yaml-lora-lisa_interval_steps-at-its-default", config="run.yaml",
+            files={"run.yaml": "method: lora\nlisa_interval_steps: 20\n"},
+            message=_does_not_use("lora", "lisa_interval_steps", "lisa, lisa-adapter")),
+    refused("sft-dpo_beta-at-its-default", "--dpo_beta", "0.1", message=r"--dpo_beta=0\.1 applies to --stage dpo only"),
+    error("train_file-hard-link-twice", "--train_file", "{train},{tmp}/hard.jsonl", setup="hardlink",
+          message=r"--train_file names one file twice: entries 1 \('.*train\.jsonl'\) and 2 \('.*hard\.jsonl'\): "
+          r".* are one file \(hard links: the same device and inode\), so its rows would train twice"),
+    error("train_file-folder-and-a-file-in-it", "--train_file", "{tmp}/d,{tmp}/d/a.jsonl",
+          files={"d/a.jsonl": '{"prompt": "a", "completion": "b"}\n' * 4},
+          message=r"--train_file names one file twice: .*the folder '.*d' holds '.*d/a\.jsonl', so its rows would "
+          r"train twice"),
+    error("validation_file-is-the-train_file", "--validation_file", "{train}",
+          message=r"--validation_file='.*train\.jsonl' is training data of --train_file \('.*train\.jsonl'\): both "
+          r"read .*, so the run would be evaluated on the rows it trains on"),
+    error("validation_file-hard-link-of-the-train_file", "--validation_file", "{tmp}/hard.jsonl", setup="hardlink",
+          message=r"--validation_file='.*hard\.jsonl' is training data of --train_file .* are one file \(hard links"),
+    error("train_file-weights-overflow", "--train_file", "{train}:1e308,{tmp}/b.jsonl:1e308",
+          files={"b.jsonl": '{"prompt": "a", "completion": "b"}\n' * 4},
+          message=r"--train_file: the weights \(.*train\.jsonl:1e\+308, .*b\.jsonl:1e\+308\) add up to more than the "
+          r"largest number"),
+    error("train_file-weight-share-rounds-to-zero", "--train_file", "{train}:1e300,{tmp}/b.jsonl:1e-300",
+          files={"b.jsonl": '{"prompt": "a", "completion": "b"}\n' * 4},
+          message=r"give '.*b\.jsonl' a share that rounds to 0, so no row of it would be drawn"),
+    error("chat_template-fifo", "--chat_template", "{tmp}/t.jinja", setup="fifo",
+          message=r"--chat_template='.*t\.jinja' is a FIFO, not a regular file; expected a Jinja file"),
+    error("chat_template-device", "--chat_template", "/dev/zero",
+          message=r"--chat_template='/dev/zero' is a device, not a regular file; expected a Jinja file"),
+    error("chat_template-too-large", "--chat_template", "{tmp}/big.jinja",
+          files={"big.jinja": "{{ messages }}" + " " * 2**21},
+          message=r"--chat_template='.*big\.jinja' is 2 MiB, more than the 1 MiB such a file may hold"),
+    error("chat_template-unknown-filter", "--chat_template", "{tmp}/t.jinja",
+          files={"t.jinja": "{% for m in messages %}{{ m['content'] | shout }}{% endfor %}"},
+          message=r"--chat_template='.*t\.jinja' is not a valid Jinja template: line 1: No filter named 'shout'\.$"),
+    error("yaml-config-file-fifo", "{tmp}/run.yaml", base=False, setup="fifo",
+          message=r"config file '.*run\.yaml' is a FIFO, not a regular file"),
+    error("dataset_name-is-a-model-folder", "--output_dir", "{tmp}/out", "--dataset_name", "{model}", base=False,
+          message=r"--dataset_name='.*model' is a model folder \(config\.json, model\.safetensors, .*\), not a "
+          r"dataset; pass it as --model_name_or_path"),
     # -- inputs that look odd but are right: they train ----------------------------------------------------------------
     trained("yaml-one-value-for-a-list-option", config="run.yaml",
             files={"run.yaml": "method: lora\nr: 4\ntarget_modules: q_proj\nlearning_rate: 1e-3\n"}),
@@ -421,6 +463,10 @@ def test_bad_input(case, paths, tmp_path, capsys, monkeypatch, request):
         request.getfixturevalue("test_hub")
     elif case.setup == "gated":
         request.getfixturevalue("gated_hub_repo")
+    elif case.setup == "hardlink":  # {tmp}/hard.jsonl: the training file under another name
+        os.link(paths["train"], tmp_path / "hard.jsonl")
+    elif case.setup == "fifo":  # the file the case names is a FIFO nobody writes to: reading it would never end
+        os.mkfifo(tmp_path / next(t for t in case.argv if t.startswith("{tmp}/")).split("/", 1)[1])
     status = cli.main(["train", *_argv(case, paths, tmp_path)])
     err = capsys.readouterr().err
     assert status == case.status, err[-3000:]

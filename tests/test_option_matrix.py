@@ -125,10 +125,20 @@ def test_every_refused_option_is_named_at_once(tmp_path):
     assert "--r=" not in message  # used by lora
 
 
-def test_an_option_at_its_default_is_not_given(tmp_path):
-    # the demo and the shipped configs state γ = 2 and K = 20 explicitly: harmless for every method
+def test_an_option_typed_at_its_default_is_given(tmp_path):
+    # issue 33 item 4: what was typed decides, not the value (--method lora --lisa_activated_layers 2 was accepted)
     for method in METHODS:
-        _parse(tmp_path, "--method", method, "--lisa_activated_layers", "2", "--lisa_interval_steps", "20")
+        argv = ("--method", method, "--lisa_activated_layers", "2", "--lisa_interval_steps", "20")
+        if method in OPTION_METHODS["lisa_activated_layers"]:
+            _parse(tmp_path, *argv)
+        else:
+            with pytest.raises(ValueError, match=rf"^--method {method} does not use --lisa_activated_layers=2 "):
+                _parse(tmp_path, *argv)
+    # the demo's defaults (not typed) state γ = 2 and K = 20: harmless for every method
+    from hf_lisa.demo import DEMO_DEFAULTS
+
+    for method in METHODS:
+        parse_args(["--method", method, "--output_dir", str(tmp_path), "--report_to", "none"], defaults=DEMO_DEFAULTS)
 
 
 def test_a_config_file_and_the_command_line_are_refused_alike(tmp_path):

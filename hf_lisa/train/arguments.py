@@ -237,8 +237,8 @@ LisaArguments = dataclasses.make_dataclass(
         "__module__": __name__,
         "__doc__": "The fine-tuning method and its knobs. The LISA settings are `LisaConfig`'s fields (same names "
         "and help, generated from it). 'Methods:' names the methods that use an option; an option that the chosen "
-        "--method does not use is refused when its value differs from its default, from a config file or the "
-        "command line alike.",
+        "--method does not use is refused when it is given, on the command line or in a config file, whatever its "
+        "value (at its default too).",
     },
 )
 
@@ -329,21 +329,25 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
         ```
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    values, source = dict(defaults or {}), "defaults"
+    given_argv = tuple(argv)
+    values, source, file_values = dict(defaults or {}), "defaults", {}
     if argv and not argv[0].startswith("-") and argv[0].endswith(CONFIG_SUFFIXES):
         source = argv.pop(0)
-        values.update(load_config_file(source))
+        file_values = load_config_file(source)
+        values.update(file_values)
     parser = build_parser(values, source)
     argv = attach_negative_values(argv)
     known = parser.parse_known_args(argv)[0]
     check_deepspeed_file(getattr(known, "deepspeed", None))
     rate = method_learning_rate(getattr(known, "method", None))
-    if rate is not None and "learning_rate" not in values and not _on_command_line(argv, "learning_rate"):
-        values["learning_rate"] = rate  # the method's own default, below the file and the command line
-        parser = build_parser(values, source)
+    if rate is not None and values.get("learning_rate") is None and not _on_command_line(argv, "learning_rate"):
+        values["learning_rate"] = rate  # the method's own default, below the file and the command line (YAML null:
+        parser = build_parser(values, source)  # not set, so the method's default too)
     *parsed, remaining = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True, look_for_args_file=False
     )
+    _LAST_PARSE.clear()
+    _LAST_PARSE.update(argv=given_argv, output_dir=getattr(parsed[-1], "output_dir", None))
     if remaining:
         first = " A config file goes first: hf-lisa train CONFIG.yaml [--option value ...]." if any(
             token.endswith(CONFIG_SUFFIXES) for token in remaining) else ""
@@ -352,8 +356,30 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
             f"list.{first}"
         )
     model_args, data_args, lisa_args, training_args = parsed
-    validate_args(model_args, data_args, lisa_args, training_args)
+    validate_args(model_args, data_args, lisa_args, training_args, typed=typed_options(parser, argv, file_values))
     return model_args, data_args, lisa_args, training_args
+
+
+#: the command-line tokens and ``--output_dir`` of the latest :func:`parse_args` in this process
+_LAST_PARSE: dict[str, Any] = {}
+
+
+def parsed_output_dir(argv: Sequence[str]) -> Optional[str]:
+    """The ``--output_dir`` that :func:`parse_args` last found for exactly the tokens ``argv``, else ``None``: what an
+    interrupted command names for its resume hint, without parsing (and reading files) again."""
+    return _LAST_PARSE.get("output_dir") if _LAST_PARSE.get("argv") == tuple(argv) else None
+
+
+def typed_options(parser, argv: Sequence[str], file_values: Mapping[str, Any]) -> frozenset[str]:
+    """The options the user typed: the keys of the config file with a value (YAML ``null`` means "not set") and the
+    flags of the command line (``--name``, ``--name=value``, aliases), by the parser's names."""
+    typed = {name for name, value in file_values.items() if value is not None}
+    actions = parser._option_string_actions
+    for token in argv:
+        action = actions.get(token.split("=", 1)[0]) if token.startswith("--") else None
+        if action is not None:
+            typed.add(action.dest)
+    return frozenset(typed)
 
 
 def method_learning_rate(name: Any) -> Optional[float]:
@@ -368,9 +394,13 @@ def _on_command_line(argv: Sequence[str], name: str) -> bool:
     return any(token.split("=", 1)[0] in spellings for token in argv)
 
 
-def validate_args(model_args, data_args, lisa_args, training_args) -> None:
+def validate_args(model_args, data_args, lisa_args, training_args, typed: Optional[frozenset[str]] = None) -> None:
     """Check what the dataclasses cannot check alone: the method against its options (:func:`check_method_options`),
-    the LISA settings by LisaConfig's rules, and the combinations; errors name the option and what is allowed."""
+    the LISA settings by LisaConfig's rules, and the combinations; errors name the option and what is allowed.
+
+    ``typed``: the options typed on the command line or in a config file (:func:`typed_options`); the method and the
+    stage refuse those they do not use whatever their value. ``None`` (arguments built in Python): the options whose
+    value differs from their default."""
     def need(cond: bool, message: str) -> None:
         if not cond:
             raise UsageError(message)
@@ -395,7 +425,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
     resolve_method_defaults(lisa_args)
-    check_method_options(lisa_args)
+    check_method_options(lisa_args, typed)
     check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
     check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses
     settings = {**lisa_config_kwargs(lisa_args), "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy}
@@ -415,7 +445,7 @@ def validate_args(model_args, data_args, lisa_args, training_args) -> None:
         )
         from ..hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
         check_push_base(model_args, lisa_args)
-    check_stage_options(data_args, lisa_args, training_args)  # hf_lisa.train.preference: what each --stage refuses
+    check_stage_options(data_args, lisa_args, training_args, typed)  # hf_lisa.train.preference: what --stage refuses
     check_data_arguments(data_args)  # hf_lisa.train.data_arguments: formats, sources, templates, packing
     if data_args.train_file is None and data_args.validation_file is not None:
         raise UsageError("--validation_file needs --train_file.")

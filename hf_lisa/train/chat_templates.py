@@ -36,6 +36,8 @@ __all__ = ["BUILTIN_CHAT_TEMPLATES", "CHAT_TEMPLATE_MODES", "install_chat_templa
 
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 JINJA_SUFFIXES = (".jinja", ".jinja2", ".j2")
+#: the largest template file read (the largest chat templates shipped with models are a few tens of KiB)
+TEMPLATE_FILE_LIMIT = 2**20
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
@@ -169,25 +171,23 @@ def _parse_jinja(text: str, label: str) -> None:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters.setdefault("tojson", lambda value, **kwargs: value)  # transformers adds its own
     try:
-        env.parse(text)
-    except jinja2.TemplateSyntaxError as err:
-        raise UsageError(f"{label} is not a valid Jinja template: line {err.lineno}: {err.message}.") from None
+        env.from_string(text)  # compiled, as transformers compiles it: an unknown filter or test is named now
+    except jinja2.TemplateSyntaxError as err:  # TemplateAssertionError too
+        raise UsageError(f"{label} is not a valid Jinja template: line {err.lineno}: "
+                         f"{(err.message or '').rstrip('.')}.") from None
     if "messages" not in text:
         raise UsageError(f"{label} never reads `messages`, so it cannot render a conversation; expected a chat "
                          "template (Jinja), e.g. the `chat_template` of a tokenizer_config.json saved as a file.")
 
 
 def _read_template_file(path: str, label: str) -> str:
+    from .config_file import read_user_file
+
     if not os.path.exists(path):
         raise UsageError(f"{label}: no such file; {_allowed()}.")
-    if os.path.isdir(path):
-        raise UsageError(f"{label} is a directory; expected a Jinja file ({', '.join(JINJA_SUFFIXES)}).")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as err:
-        raise UsageError(f"{label} cannot be read ({err.strerror or err}).") from None
+    data = read_user_file(path, label, TEMPLATE_FILE_LIMIT, f"a Jinja file ({', '.join(JINJA_SUFFIXES)})")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -220,9 +220,25 @@ def load_chat_template(value: str) -> str | None:
     looks_like_path = os.sep in value or "/" in value or value.lower().endswith(JINJA_SUFFIXES)
     if not looks_like_path and not os.path.exists(value):
         raise UsageError(f"{label} is not a known template; {_allowed()}.")
-    text = _read_template_file(value, label)
-    _parse_jinja(text, label)
-    return text
+    key = _file_key(value)
+    if key not in _FILE_TEMPLATES:  # read and checked once per process (the checks, then tokenisation)
+        text = _read_template_file(value, label)
+        _parse_jinja(text, label)
+        _FILE_TEMPLATES[key] = text
+    return _FILE_TEMPLATES[key]
+
+
+#: template files read so far, by :func:`_file_key`: each is read once, however often its option is looked at
+_FILE_TEMPLATES: dict[tuple, str] = {}
+
+
+def _file_key(path: str) -> tuple:
+    """The file ``path`` and its version (device, inode, size, modification time): a changed file is read again."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (os.path.abspath(path),)
+    return os.path.abspath(path), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def install_chat_template(tokenizer, value: str) -> bool:

@@ -70,6 +70,7 @@ from .validation import (
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+TEMPLATE_ERROR = "chat template error"  # the skip reason of a row the chat template refused
 SKIP_COLUMN = "_hf_lisa_skip"
 SKIP_EXAMPLES = 5  # lines listed per skip reason
 
@@ -89,6 +90,7 @@ class TokenizationReport:
     kept: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
     skipped_lines: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    kept_rows: dict[str, list[int]] = field(default_factory=dict, repr=False)  # positions of the kept rows, per split
 
     def total_skipped(self, split: str) -> int:
         return sum(self.skipped.get(split, {}).values())
@@ -195,6 +197,28 @@ def use_chat_template(tokenizer, mode: str) -> bool:
     return has if mode == "auto" else mode == "always"
 
 
+def template_label(tokenizer, mode: str) -> str:
+    """How messages name the chat template rows are rendered with: the option and where the template came from."""
+    from .chat_templates import builtin_name
+
+    if mode in CHAT_TEMPLATE_MODES:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        return f"the tokenizer's own, from {name!r}, with --chat_template={mode!r}"
+    kind = "a built-in template" if builtin_name(mode) is not None else "a Jinja file"
+    return f"--chat_template={mode!r}, {kind}"
+
+
+def _template_failure(ds, mapped, split: str, kwargs: dict) -> str:
+    """Why the chat template refused the first row it refused in ``split``: that row tokenised again, the error kept."""
+    first = next(i for i, why in enumerate(mapped[SKIP_COLUMN]) if why == TEMPLATE_ERROR)
+    try:
+        tokenize_row(ds[first], **{**kwargs, "on_bad_row": "error"})
+    except DataError as err:
+        return str(err).split(f" (the template: {kwargs['template']})", 1)[0].replace(
+            ": the chat template refused the row:", ":")
+    return f"row {first}"
+
+
 def longest_token_chars(tokenizer) -> int:
     """The length of the tokenizer's longest vocabulary entry: no token of a tokenizer that keeps every character
     covers more characters, so a text of more than ``n`` times this many characters has more than ``n`` tokens."""
@@ -255,6 +279,7 @@ def tokenize_row(
     on_bad_row: str = "skip",
     char_limit: int | None = None,
     where: str = "row",
+    template: str = "the chat template",
 ) -> dict[str, Any]:
     """Tokenise one row into ``input_ids``/``attention_mask``/``labels``; a non-empty ``_hf_lisa_skip`` says why not.
 
@@ -262,7 +287,10 @@ def tokenize_row(
     prompt/completion (:func:`.formats.canonical_row`); a bad row is skipped, or refused when ``on_bad_row`` is
     ``"error"``. A row with more than ``char_limit`` characters is too long before any tokenisation: skipped, refused,
     or cut to ``char_limit`` characters per field (``overlength="truncate"``, which keeps the first tokens the same).
-    ``where`` prefixes the row's ``LINE_COLUMN`` in messages (``"train_file='d.jsonl', line"``).
+    ``where`` prefixes the row's ``LINE_COLUMN`` in messages (``"train_file='d.jsonl', line"``); ``template`` names the
+    chat template in them (:func:`template_label`). A template that refuses a row (``raise_exception``, an undefined
+    value: a Jinja ``TemplateError``) skips it like a bad row; one that fails otherwise (a ``TypeError`` in its own
+    code) stops tokenisation with a ``DataError`` naming it.
     """
     out = {"input_ids": [], "attention_mask": [], "labels": [], SKIP_COLUMN: ""}
     at = f"{where} {row.get(LINE_COLUMN, '?')}"
@@ -295,9 +323,13 @@ def tokenize_row(
             segments, reason = _segments_messages(row, tokenizer, columns, train_on_prompt=not completion_only_loss)
     except TemplateError as err:  # the template refused the row (raise_exception: "roles must alternate", ...)
         if on_bad_row == "error":
-            raise DataError(f"{at}: the chat template refused the row: {err}. Fix the row or the template, or pass "
-                            "--on_bad_row skip to skip such rows.") from None
-        segments, reason = None, "chat template error"
+            raise DataError(f"{at}: the chat template refused the row: {err} (the template: {template}). Fix the "
+                            "row or the template, or pass --on_bad_row skip to skip such rows.") from None
+        segments, reason = None, TEMPLATE_ERROR
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as err:  # the template's own code failed
+        raise DataError(f"{at}: the chat template failed: {type(err).__name__}: {err} (the template: {template}). "
+                        "Fix the template, or pass another --chat_template (a built-in name, e.g. chatml, or a Jinja "
+                        "file).") from None
     if reason:
         out[SKIP_COLUMN] = reason
         return out
@@ -377,6 +409,7 @@ def tokenize_datasets(
         "tokenizer": tokenizer, "data_format": fmt, "max_seq_length": max_seq_length, "chat": chat, "columns": columns,
         "completion_only_loss": completion_only_loss, "overlength": overlength, "on_bad_row": on_bad_row,
         "char_limit": max_seq_length * longest_token_chars(tokenizer),
+        "template": template_label(tokenizer, chat_template),
     }
     tokenized = {}
     for split, ds in splits.items():
@@ -398,13 +431,21 @@ def tokenize_datasets(
         lines = {why: heapq.nsmallest(SKIP_EXAMPLES, found) for why, found in every_line.items()}
         kept = mapped.filter(lambda r: not r, input_columns=[SKIP_COLUMN], desc=f"Dropping skipped {split} rows")
         kept = kept.remove_columns([SKIP_COLUMN, LINE_COLUMN])
-        report.kept[split] = len(kept)
+        kept_rows = [i for i, why in enumerate(mapped[SKIP_COLUMN]) if not why]
+        report.kept[split], report.kept_rows[split] = len(kept), kept_rows
         report.skipped[split] = dict(reasons)
         report.skipped_lines[split] = lines
         if reasons:
             logger.warning(
                 "Skipped %d of %d %s rows (%s):\n%s", sum(reasons.values()), len(ds), split, source_of(ds),
                 skip_table(reasons, lines, unit_of(ds)),
+            )
+        if len(kept) == 0 and reasons.get(TEMPLATE_ERROR) == len(ds):
+            example = _template_failure(ds, mapped, split, {**kwargs, "where": location_of(ds)})
+            raise DataError(
+                f"Every row of the {split} split was skipped ({source_of(ds)}): the chat template "
+                f"({kwargs['template']}) refused every one, e.g. {example}. Fix the template, or pass another --chat_template (a built-in "
+                "name, e.g. chatml, or a Jinja file)."
             )
         if len(kept) == 0:
             raise DataError(

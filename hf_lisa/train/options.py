@@ -2,13 +2,15 @@
 is in the registry (:mod:`hf_lisa.methods`), and the one check made from it: a given option that the chosen method
 does not use is refused.
 
-An option is *given* when its value differs from its default, whether it comes from the command line, a config file
-or Python (:func:`given_options`)."""
+An option is *given* when it was typed: named on the command line or a key of the config file (with a value: YAML
+``null`` means "not set"), whatever its value, so ``--method lora --lisa_activated_layers 2`` is refused as ``3`` is.
+Arguments built in Python, where nothing was typed, count an option as given when its value differs from its default
+(:func:`given_options`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Collection, Optional
 
 from ..errors import UsageError
 from ..methods import METHODS, Method, method_defaults, method_names
@@ -76,11 +78,16 @@ def resolve_method_defaults(lisa_args) -> None:
             setattr(lisa_args, name, default)
 
 
-def given_options(lisa_args) -> dict[str, Any]:
-    """The options of ``lisa_args`` (``method`` aside) whose value differs from their default.
+def given_options(lisa_args, typed: Optional[Collection[str]] = None) -> dict[str, Any]:
+    """The options of ``lisa_args`` (``method`` aside) that were given, with their values.
 
-    A setting whose default depends on the method (γ: 2 for full-parameter LISA, 0 for the adapter form) is not given
-    at any of those defaults, so that a config file shared by several methods may state them."""
+    ``typed`` (the option names typed on the command line or in a config file, as :func:`.arguments.parse_args` finds
+    them): exactly those, whatever their value. ``None`` (arguments built in Python): those whose value differs from
+    their default; a setting whose default depends on the method (γ: 2 for full-parameter LISA, 0 for the adapter
+    form) is then not given at any of those defaults."""
+    if typed is not None:
+        return {f.name: getattr(lisa_args, f.name) for f in dataclasses.fields(lisa_args)
+                if f.name != "method" and f.name in typed}
     per_method = [method_defaults(method) for method in METHODS]
     given = {}
     for f in dataclasses.fields(lisa_args):
@@ -92,10 +99,11 @@ def given_options(lisa_args) -> dict[str, Any]:
     return given
 
 
-def check_method_options(lisa_args) -> None:
-    """Refuse the given options that ``lisa_args.method`` does not use, naming them, the method and what it uses."""
+def check_method_options(lisa_args, typed: Optional[Collection[str]] = None) -> None:
+    """Refuse the given options (:func:`given_options`) that ``lisa_args.method`` does not use, naming them, the method
+    and what it uses."""
     method = lisa_args.method
-    refused = {name: value for name, value in given_options(lisa_args).items() if not uses(method, name)}
+    refused = {name: value for name, value in given_options(lisa_args, typed).items() if not uses(method, name)}
     if not refused:
         return
     every = method_names(_every)

@@ -77,22 +77,26 @@ class PreferenceColumns(NamedTuple):
 
 
 # -- options -----------------------------------------------------------------------------------------------------------
-def _given(args, name: str) -> bool:
+def _given(args, name: str, typed=None) -> bool:
+    """Whether the option ``name`` was given: typed (``typed``, the names the command line and the config file
+    hold), or, for arguments built in Python (``typed`` None), set to another value than its default.
+    ``--eval_generation_samples 0`` (off) is never given."""
     f = next(f for f in dataclasses.fields(args) if f.name == name)
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     value = getattr(args, name)
-    return value != default and not (name == "eval_generation_samples" and value == 0)
+    given = name in typed if typed is not None else value != default
+    return given and not (name == "eval_generation_samples" and value == 0)
 
 
-def check_stage_options(data_args, lisa_args, training_args=None) -> None:
-    """Refuse the options that ``--stage`` does not use, naming each with why (a ``UsageError``); run by
-    :func:`hf_lisa.train.arguments.validate_args`."""
+def check_stage_options(data_args, lisa_args, training_args=None, typed=None) -> None:
+    """Refuse the options that ``--stage`` does not use (given: :func:`_given`), naming each with why (a
+    ``UsageError``); run by :func:`hf_lisa.train.arguments.validate_args`."""
     stage = lisa_args.stage
     if stage not in STAGES:
         raise UsageError(f"--stage={stage!r} is invalid; allowed: {', '.join(STAGES)}.")
     if stage == SFT:
         given = [f"--{name}={getattr(args, name)!r}" for args in (data_args, lisa_args) for name in _DPO_ONLY
-                 if hasattr(args, name) and _given(args, name)]
+                 if hasattr(args, name) and _given(args, name, typed)]
         if given:
             raise UsageError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --stage dpo only; pass "
                              "--stage dpo, or remove the option(s).")
@@ -102,7 +106,7 @@ def check_stage_options(data_args, lisa_args, training_args=None) -> None:
     if importlib.util.find_spec("trl") is None:
         raise UsageError("--stage dpo runs TRL's DPOTrainer, which is not installed: pip install 'hf-lisa[trl]'.")
     refused = [f"--{name}={getattr(data_args, name)!r} ({why})" for name, why in _SFT_ONLY.items()
-               if hasattr(data_args, name) and _given(data_args, name)]
+               if hasattr(data_args, name) and _given(data_args, name, typed)]
     if data_args.data_format != "auto":
         refused.append(f"--data_format={data_args.data_format!r} (preference rows are recognised from the "
                        "prompt/chosen/rejected columns)")

@@ -157,6 +157,7 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
 
         refuse_bundled_task()  # prompt/completion rows: no preference pairs
     if bundled:
+        demo_task.announce_bundled_task(data_args.demo_train_samples, training_args.process_index == 0)
         with training_args.main_process_first(desc="writing the bundled task"):
             data_args.train_file, data_args.validation_file = demo_task.cached_dataset_files(
                 data_args.demo_train_samples

@@ -138,7 +138,25 @@ def parse_sources(value: Any, option: str = "train_file") -> list[SourceSpec]:
                 "whole weight."
             )
         seen[key] = i
+    _check_weight_sum(specs, option)
     return specs
+
+
+def _check_weight_sum(specs: Sequence[SourceSpec], option: str) -> None:
+    """Weights that cannot be normalised in float64: a sum beyond the largest float (``1e308,1e308``), or a source
+    whose share rounds to 0 (``1e300,1e-300``), which the mixture would never draw."""
+    if len(specs) < 2:
+        return
+    weights = ", ".join(f"{spec.path}:{spec.weight:g}" for spec in specs)
+    total = sum(spec.weight for spec in specs)
+    if not math.isfinite(total):
+        raise UsageError(f"--{option}: the weights ({weights}) add up to more than the largest number (they overflow "
+                         "to inf); give smaller numbers with the same ratios, e.g. 0.7 and 0.3 (weights are "
+                         "normalised to sum to 1).")
+    never = [spec.path for spec in specs if not spec.weight / total > 0]
+    if never:
+        raise UsageError(f"--{option}: the weights ({weights}) give {', '.join(map(repr, never))} a share that rounds "
+                         "to 0, so no row of it would be drawn; give weights of comparable size, e.g. 0.7 and 0.3.")
 
 
 def check_source_arguments(data_args) -> None:
@@ -148,14 +166,17 @@ def check_source_arguments(data_args) -> None:
     Raises:
         UsageError: naming the option, the value and what is allowed.
     """
-    if data_args.train_file is not None:
-        parse_sources(data_args.train_file)
+    specs = parse_sources(data_args.train_file) if data_args.train_file is not None else []
     for name in ("validation_file", "dataset_name", "dataset_config_name", "dataset_split"):
         value = getattr(data_args, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             flag = "dataset_config" if name == "dataset_config_name" else name
             raise UsageError(f"--{flag}={value!r} is invalid; allowed: one {'name' if 'dataset' in name else 'path'} "
                              "(a non-empty string).")
+    validation = data_args.validation_file
+    check_distinct_files(specs, SourceSpec(validation, option="validation_file") if validation else None)
+    if data_args.dataset_name is not None:
+        refuse_model_folder(data_args.dataset_name)
     if data_args.dataset_name is not None and data_args.train_file is not None:
         raise UsageError(
             f"--dataset_name={data_args.dataset_name!r} and --train_file={data_args.train_file!r} both name the "
@@ -235,9 +256,73 @@ def folder_files(path: str, option: str) -> list[str]:
     return [os.path.join(path, name) for name in files]
 
 
-def check_source_paths(specs: Sequence[SourceSpec]) -> None:
-    """Every file exists and is supported, every folder holds files of one format: before anything is read."""
-    for spec in specs:
+def _files_read(spec: SourceSpec) -> dict[tuple[int, int], str]:
+    """The files ``spec`` reads (a file, or a folder's files as :func:`folder_files` lists them), by identity: device
+    and inode, so a hard link, a symbolic link or another spelling of a path is the same file. Missing paths: none."""
+    try:
+        if os.path.isdir(spec.path):
+            paths = [os.path.join(spec.path, n) for n in sorted(os.listdir(spec.path)) if not n.startswith(".")]
+        else:
+            paths = [spec.path]
+        found = {}
+        for path in paths:
+            if os.path.isfile(path):
+                info = os.stat(path)
+                found.setdefault((info.st_dev, info.st_ino), path)
+        return found
+    except OSError:
+        return {}
+
+
+def _same_file(a: SourceSpec, path_a: str, b: SourceSpec, path_b: str) -> str:
+    """Why ``a`` and ``b`` read one file, in words."""
+    def where(spec, path):
+        return repr(path) if path == spec.path else f"{path!r} (in the folder {spec.path!r})"
+
+    folders = [spec.path for spec, path in ((a, path_a), (b, path_b)) if path != spec.path]
+    if os.path.normpath(path_a) == os.path.normpath(path_b):
+        return (f"the folder {folders[0]!r} holds {path_a!r}" if len(folders) == 1 else f"both read {path_a!r}")
+    how = ("a symbolic link or another spelling of its path" if os.path.realpath(path_a) == os.path.realpath(path_b)
+           else "hard links: the same device and inode")
+    return f"{where(a, path_a)} and {where(b, path_b)} are one file ({how})"
+
+
+def check_distinct_files(specs: Sequence[SourceSpec], validation: SourceSpec | None = None) -> None:
+    """No file is read twice: by two ``--train_file`` entries (a file and a hard link to it, a folder and a file in
+    it), or as training and validation data (``--validation_file`` the training file, or a file of a training folder).
+    Files are compared by identity (device and inode), not by name. Paths that do not exist pass (they are named when
+    the sources are read).
+
+    Raises:
+        UsageError: naming both entries and the file they share.
+    """
+    read = [(spec, _files_read(spec)) for spec in specs]
+    for i, (a, files_a) in enumerate(read):
+        for j, (b, files_b) in enumerate(read[i + 1:], i + 2):
+            shared = sorted(set(files_a) & set(files_b))
+            if shared:
+                why = _same_file(a, files_a[shared[0]], b, files_b[shared[0]])
+                raise UsageError(f"--{a.option} names one file twice: entries {i + 1} ({a.path!r}) and {j} "
+                                 f"({b.path!r}): {why}, so its rows would train twice. Give each file once (its "
+                                 "weight says how much it counts).")
+    if validation is None:
+        return
+    files_v = _files_read(validation)
+    for spec, files in read:
+        shared = sorted(set(files) & set(files_v))
+        if shared:
+            why = _same_file(spec, files[shared[0]], validation, files_v[shared[0]])
+            raise UsageError(f"--validation_file={validation.path!r} is training data of --{spec.option} "
+                             f"({spec.path!r}): {why}, so the run would be evaluated on the rows it trains on. Pass a "
+                             "file of other rows, or leave --validation_file out to hold out "
+                             "--validation_split_percentage of the training rows.")
+
+
+def check_source_paths(specs: Sequence[SourceSpec], validation: SourceSpec | None = None) -> None:
+    """Every file exists and is supported, every folder holds files of one format, no file is read twice
+    (:func:`check_distinct_files`): before anything is read."""
+    check_distinct_files(specs, validation)
+    for spec in [*specs, *([validation] if validation else [])]:
         if os.path.isdir(spec.path):
             for path in folder_files(spec.path, spec.option):
                 builder_for(path, spec.option)
@@ -249,6 +334,29 @@ def check_source_paths(specs: Sequence[SourceSpec]) -> None:
 
 
 # -- datasets by name --------------------------------------------------------------------------------------------------
+_MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def refuse_model_folder(name: str, option: str = "dataset_name") -> None:
+    """A local folder passed as a dataset that holds a model (``config.json`` with weights, an adapter, a tokenizer)
+    and no data files: a ``UsageError`` saying which option takes it (``datasets`` would fail on its JSON files)."""
+    if not isinstance(name, str) or not os.path.isdir(name):
+        return
+    try:
+        names = set(os.listdir(name))
+    except OSError:
+        return
+    found = [f for f in _MODEL_FILES if f in names]
+    weights = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors"}
+    model = (weights & names or any(n.endswith(".safetensors") for n in names)) and (
+        "config.json" in names or "adapter_config.json" in names)
+    if model:
+        raise UsageError(f"--{option}={name!r} is a model folder ({', '.join(found)}), not a dataset; pass it as "
+                         "--model_name_or_path, and the training data with --train_file (files or a folder of them) "
+                         "or --dataset_name (a Hub id or a dataset folder).")
+
+
 def load_named_dataset(name: str, config: str | None = None, split: str = "train", cache_dir: str | None = None,
                        line_numbers: bool = False):
     """A Hub dataset id or a local dataset folder (of data files, as ``datasets.load_dataset`` reads it, or written by
@@ -264,6 +372,7 @@ def load_named_dataset(name: str, config: str | None = None, split: str = "train
     import datasets
 
     label = f"dataset_name={name!r}" + (f" (dataset_config={config!r})" if config else "")
+    refuse_model_folder(name)
     local = os.path.isdir(name)
     if not local and (name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name):  # no Hub id
         raise FileNotFoundError(f"{label} does not exist: no such folder, and not a Hub id ('namespace/name').")

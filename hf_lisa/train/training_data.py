@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Source", "TrainingData", "load_training_data"]
 
+#: fewer rows held out for evaluation than this is warned about (its eval loss is noise)
+TINY_VALIDATION = 10
 #: the fields of ``DataArguments`` that :func:`load_training_data` reads
 OPTIONS = ("train_file", "validation_file", "dataset_name", "dataset_config_name", "dataset_split",
            "validation_split_percentage", "max_train_samples", "max_eval_samples")
@@ -62,6 +64,7 @@ class Source:
     label: str
     weight: Optional[float]
     parts: list[dict] = field(default_factory=list)
+    path: Optional[str] = None  # the file or folder of a --train_file entry
     held_out: int = 0  # validation rows split off its own training rows
     data_format: Optional[str] = None
     report: Any = None  # the TokenizationReport of all its parts
@@ -151,7 +154,7 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
     elif train_file is not None:
         specs = parse_sources(train_file)
         validation = SourceSpec(validation_file, option="validation_file") if validation_file is not None else None
-        check_source_paths(specs + ([validation] if validation else []))  # every path, before any file is read
+        check_source_paths(specs, validation)  # every path, no file twice, before any file is read
         # one training file with its validation file: read as a pair, checked against each other (as ever)
         pair = validation and len(specs) == 1 and not any(os.path.isdir(s.path) for s in (specs[0], validation))
         sources = []
@@ -165,7 +168,7 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
                                         validation_split_percentage=0 if validation else percentage, seed=seed,
                                         cache_dir=cache_dir, line_numbers=True)
                 parts, held = [dict(raw)], _held_out_of(raw)
-            sources.append(Source(spec.label, weight, parts, held_out=held))
+            sources.append(Source(spec.label, weight, parts, held_out=held, path=spec.path))
         if validation and not pair:
             parts = _folder_parts(validation, "validation", cache_dir)
             if len(sources) == 1:
@@ -174,8 +177,85 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
                 sources.append(Source(validation.label, None, parts))
     else:
         raise DataError("No training data: pass train_file (jsonl/json/csv/parquet/txt, or a folder) or dataset_name.")
+    if validation_file is not None:
+        _warn_shared_rows(sources, validation)
+    for source in sources:
+        if 0 < source.held_out < TINY_VALIDATION:
+            logger.warning("%s: only %d row%s held out for evaluation (%g%% of its rows); an evaluation on so few rows "
+                           "says little. Pass --validation_file, or raise --validation_split_percentage.",
+                           source.label, source.held_out, "" if source.held_out == 1 else "s", percentage)
     return TrainingData(sources, seed=seed, max_train_samples=get("max_train_samples"),
                         max_eval_samples=get("max_eval_samples"))
+
+
+def _row_keys(ds) -> list[int]:
+    """One hash per row of ``ds``: its fields (not where it came from) as sorted JSON."""
+    import json
+
+    from .validation import LINE_COLUMN
+
+    columns = [c for c in ds.column_names if c != LINE_COLUMN]
+    keys = []
+    for batch in ds.select_columns(columns).iter(batch_size=4096):
+        for values in zip(*(batch[c] for c in columns)):
+            keys.append(hash(json.dumps(dict(zip(columns, values)), sort_keys=True, default=str)))
+    return keys
+
+
+def _warn_shared_rows(sources: list[Source], validation: SourceSpec) -> None:
+    """Warn when rows of ``--validation_file`` are training rows too (the same fields in another file): the
+    evaluation then measures rows the run trained on. Counts, the files, and what to do."""
+    trained = {key for source in sources for part in source.parts if "train" in part
+               for key in _row_keys(part["train"])}
+    rows = [key for source in sources for part in source.parts if "validation" in part
+            and source.held_out == 0 for key in _row_keys(part["validation"])]
+    shared = sum(key in trained for key in rows)
+    if shared:
+        logger.warning("%d of the %d rows of %s are training rows too (the same fields in %s): the evaluation measures "
+                       "rows the run trains on. Remove them from one of the files.", shared, len(rows),
+                       validation.label, ", ".join(s.label for s in sources if s.weight is not None))
+
+
+def _tokenize_held_out(part: dict, tokenize: Callable[[Any], tuple], seed: int, label: str):
+    """Tokenise a part whose validation rows were held out of its own training rows, holding out *after* skipping:
+    its train and validation rows are tokenised as one split, and the held-out rows that were skipped (too long, bad)
+    are replaced by kept training rows (seeded), so the evaluation keeps its size and a skipped row never stops the
+    run. Nothing skipped: the same splits as tokenising each on its own. ``part``'s raw splits are updated to match
+    (the generation metric's prompts come from them). ``(None, None)`` when ``tokenize`` reports no kept rows.
+
+    Skipped rows are counted as training rows of the source (they were skipped before any row was held out)."""
+    import datasets
+    import numpy as np
+
+    train, validation = part["train"], part["validation"]
+    joined = datasets.concatenate_datasets([train, validation])
+    tokenized, report = tokenize(datasets.DatasetDict({"train": joined}))
+    if "train" not in report.kept_rows:
+        return None, None
+    kept = np.asarray(report.kept_rows["train"], dtype=np.int64)  # positions in joined, ascending
+    from_train, from_validation = np.flatnonzero(kept < len(train)), np.flatnonzero(kept >= len(train))
+    short = len(validation) - len(from_validation)
+    moved = np.empty(0, dtype=np.int64)
+    if short > 0:  # held-out rows were skipped: hold out kept training rows in their place (one stays to train)
+        take = min(short, max(0, len(from_train) - 1))
+        moved = np.sort(np.random.default_rng(seed % 2**64).choice(len(from_train), size=take, replace=False))
+        logger.warning("%s: %d of the %d rows held out for evaluation were skipped; %d of its training rows are held "
+                       "out in their place (the held-out rows are drawn from the rows kept).", label, short,
+                       len(validation), take)
+    train_idx = np.delete(from_train, moved) if len(moved) else range(len(from_train))
+    validation_idx = np.concatenate([from_train[moved], from_validation]) if len(moved) else \
+        range(len(from_train), len(kept))
+    out = {"train": tokenized["train"].select(train_idx)}
+    part["train"] = joined.select(kept[np.asarray(train_idx, dtype=np.int64)])
+    if len(validation_idx):
+        out["validation"] = tokenized["train"].select(validation_idx)
+        part["validation"] = joined.select(kept[np.asarray(validation_idx, dtype=np.int64)])
+    else:
+        del part["validation"]
+        logger.warning("%s: every row held out for evaluation was skipped and no training row is left to replace "
+                       "them; it has no validation rows.", label)
+    kept_counts = {split: len(ds) for split, ds in out.items()}
+    return datasets.DatasetDict(out), dataclasses.replace(report, kept=kept_counts, kept_rows={})
 
 
 def _as_train(part: dict) -> tuple[dict, dict]:
@@ -207,6 +287,30 @@ def _merged(reports: list, data_format: str):
             skipped.setdefault(split, Counter()).update(reasons)
     return dataclasses.replace(reports[0], data_format=data_format, kept=dict(kept),
                                skipped={split: dict(reasons) for split, reasons in skipped.items()}, skipped_lines={})
+
+
+#: a realised share is far from its weight when it differs by more than both of these (absolute, relative)
+SHARE_TOLERANCE = (0.05, 0.2)
+
+
+def mixture_warning(sources: list[Source], sizes: list[int], drawn: list[int]) -> str:
+    """What a user must hear about a mixture of ``sources`` with ``sizes`` training rows, of which ``drawn`` were drawn
+    (before ``--max_train_samples``), or ``""``: a realised share far from its weight (:data:`SHARE_TOLERANCE`), or
+    most rows never drawn; with the numbers, the mixing rule and what to change."""
+    total, used = sum(sizes), sum(drawn)
+    shares = [n / max(1, used) for n in drawn]
+    far = [i for i, source in enumerate(sources)
+           if abs(shares[i] - source.weight) > max(SHARE_TOLERANCE[0], SHARE_TOLERANCE[1] * source.weight)]
+    if not far and (total - used) * 2 <= total:
+        return ""
+    out = [source.label for source, n, size in zip(sources, drawn, sizes) if n == size]
+    listed = ", ".join(f"{source.label} {share:.3f} (weight {source.weight:.3f}; {n} of its {size} rows)"
+                       for source, share, n, size in zip(sources, shares, drawn, sizes))
+    proportional = ",".join(f"{source.path or source.label}:{size}" for source, size in zip(sources, sizes))
+    return (f"The mixture draws {used} of its {total} training rows ({total - used} unused), with the shares "
+            f"{listed}. It stops when its first source runs out ({', '.join(out) or 'none'} did; mixing rule "
+            f"{MIXTURE_RULE!r}, and hf-lisa has no option for another rule yet). To use every row, give weights "
+            f"proportional to the rows (--train_file '{proportional}'), or more rows to the source that runs out.")
 
 
 class TrainingData:
@@ -266,9 +370,15 @@ class TrainingData:
         for source in self.sources:
             reports, splits = [], {}
             for part in source.parts:
-                raw, names = _as_train(part)
-                tokenized, report = tokenize(raw)
-                reports.append(_renamed(report, names))
+                held = source.held_out and "train" in part and "validation" in part
+                tokenized, report = (_tokenize_held_out(part, tokenize, self.seed, source.label) if held
+                                     else (None, None))
+                names = {split: split for split in tokenized or ()}
+                if tokenized is None:
+                    raw, names = _as_train(part)
+                    tokenized, report = tokenize(raw)
+                    report = _renamed(report, names)
+                reports.append(report)
                 for split, ds in tokenized.items():
                     splits.setdefault(names[split], []).append(ds)
             source.data_format = source.data_format or reports[0].data_format
@@ -295,7 +405,7 @@ class TrainingData:
         trains = [source.tokenized["train"] for source in sources]
         sizes = [len(ds) for ds in trains]
         which, row = mixture_order(sizes, [source.weight for source in sources], self.seed)
-        drawn = len(which)
+        drawn, full = len(which), which
         if self.max_train_samples:
             which, row = which[: self.max_train_samples], row[: self.max_train_samples]
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -318,6 +428,9 @@ class TrainingData:
         logger.info("Mixed %d sources into %d training rows (seed %d; the mixture stops when its first source runs "
                     "out%s):\n%s", len(sources), len(mixed), self.seed,
                     f", first {self.max_train_samples} kept" if len(mixed) < drawn else "", "\n".join(lines))
+        warning = mixture_warning(sources, sizes, np.bincount(full, minlength=len(sources)).tolist())
+        if warning:
+            logger.warning(warning)
         return mixed
 
     def as_raw(self, reader: str):
