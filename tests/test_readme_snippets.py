@@ -18,7 +18,8 @@ How the snippets are run, and the only liberties taken with them:
   (``tests/hub_server.py``; huggingface_hub reads the variable at import, hence the process). On that server,
   ``HuggingFaceTB/SmolLM2-135M-Instruct`` holds a tiny 3-block llama with a character-level tokenizer and a chat
   template, and ``me/smollm2-lisa`` and ``me/smollm2-lisa-gsm8k`` hold LISA adapters for it, published before the
-  blocks run. The blocks run in the order of ``PAGES``, each page top to bottom. The blocks' data files
+  blocks run. README's Trainer API block needs no Hub: it trains the embedded SmolLM2-135M-Instruct
+  (``hf_lisa.models.default_model_path()``), as a user without network runs it. The blocks run in the order of ``PAGES``, each page top to bottom. The blocks' data files
   (``my_data.jsonl``, ``my_preferences.jsonl``) are tiny local files in the process's working directory. Nothing is
   skipped.
 """
