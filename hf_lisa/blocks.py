@@ -32,7 +32,7 @@ KNOWN_BLOCK_PATHS: tuple[str, ...] = (
 )
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP/FSDP-style ``.module`` wrappers, ``PeftModel`` and PEFT tuners down to the transformers model."""
     from peft.tuners.tuners_utils import BaseTuner
 
@@ -67,7 +67,7 @@ def find_block_lists(model: nn.Module, layers_attribute: Optional[str | Sequence
     Raises:
         ValueError: if the override does not name a ``ModuleList`` or no block list can be found.
     """
-    root = _unwrap(model)
+    root = unwrap_model(model)
     if layers_attribute:
         paths = [layers_attribute] if isinstance(layers_attribute, str) else list(layers_attribute)
         found = []

@@ -173,9 +173,9 @@ def _static_help(rest: Sequence[str]) -> bool:
     """Print ``hf-lisa train --help`` from the text generated with :mod:`hf_lisa.option_names` (no torch, transformers
     or PEFT to import); ``False`` when ``rest`` does not ask for help or the text does not apply (another
     transformers version: the full parser prints it)."""
-    from .option_names import _applies
+    from .option_names import matches_installed_transformers
 
-    if not any(token in ("-h", "--help") for token in rest) or not _applies():
+    if not any(token in ("-h", "--help") for token in rest) or not matches_installed_transformers():
         return False
     from importlib.resources import files
 

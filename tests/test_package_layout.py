@@ -298,3 +298,31 @@ def test_architecture_doc_maps_every_module():
     text = (REPO / "docs" / "architecture.md").read_text()
     missing = [str(path.relative_to(REPO)) for path in MODULES.values() if f"`{path.relative_to(REPO)}`" not in text]
     assert not missing, f"docs/architecture.md does not map {missing}"
+
+
+def _unit(module: str) -> str:
+    """The subpackage a module belongs to (``hf_lisa.hub`` for ``hf_lisa.hub.staging``), or the leaf module itself."""
+    parts = module.split(".")
+    if parts[:2] == ["hf_lisa", "trainer_callbacks"]:
+        return "hf_lisa.trainer_callbacks"
+    return ".".join(parts[:2])
+
+
+def test_names_imported_across_subpackages_are_public():
+    """Issue 34: an underscore means "only this subpackage uses it". A name another subpackage (or a leaf module)
+    imports is part of what its owner offers, and is spelled without one."""
+    private = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = _package_of(name).split(".")
+                target = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("hf_lisa") or _unit(target) == _unit(name):
+                continue
+            private += [f"{name} imports {target}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not private, private

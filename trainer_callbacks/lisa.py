@@ -38,7 +38,7 @@ import torch
 from hf_lisa.scheduler import DEFAULT_ALWAYS_TRAINABLE, LayerwiseScheduler, MaskScheduler, lisa_config_of
 from hf_lisa.optim.state import exclude_from_weight_decay
 from hf_lisa.methods import FULL_LISA_ACTIVATED_LAYERS
-from hf_lisa.tuner.config import _is_int, check_lisa_settings
+from hf_lisa.tuner.config import is_int, check_lisa_settings
 from hf_lisa.tuner.schedule_guard import attach_schedule, detach_schedule, settings_needing_schedule
 
 from .base import _LisaCallbackBase
@@ -108,7 +108,7 @@ class LisaCallback(_LisaCallbackBase):
             arguments=_SCHEDULE_ARGUMENTS,
             allow_every_block=False,
         )
-        if not _is_int(seed):
+        if not is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
         if isinstance(always_trainable, str):
             always_trainable = (always_trainable,)
@@ -249,7 +249,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         recalibrate_masks: bool = False,
     ) -> None:
         super().__init__()
-        if not _is_int(seed):
+        if not is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
         overrides = {
             "lisa_activated_layers": activated_layers,

@@ -73,9 +73,9 @@ def source_links(source: Optional[str]) -> list[str]:
     Raises:
         UsageError: a weight or config file of ``source`` is such a link.
     """
-    from ..hub.staging import _scan_links
+    from ..hub.staging import scan_links
 
-    return _scan_links(source) if source and os.path.isdir(source) else []
+    return scan_links(source) if source and os.path.isdir(source) else []
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -341,12 +341,12 @@ def load_merged_model(source: str, base_model: Optional[str] = None, dtype=None)
     from peft import PeftModel
 
     from ..hub.load import from_pretrained
-    from ..hub.staging import _check_mergeable
+    from ..hub.staging import check_mergeable
 
     model = from_pretrained(source, base_model=base_model, torch_dtype=dtype or torch.float32)
     tokenizer_sources = [source]
     if isinstance(model, PeftModel):
-        _check_mergeable(model)
+        check_mergeable(model)
         config = model.peft_config[model.active_adapter]
         tokenizer_sources.append(base_model or config.base_model_name_or_path)
         model = model.merge_and_unload(safe_merge=True)
@@ -358,7 +358,7 @@ def load_tokenizer(*sources: Optional[str]):
     files include a link out of it is passed over."""
     from transformers import AutoTokenizer
 
-    from ..hub.staging import TOKENIZER_FILES, _leaves
+    from ..hub.staging import TOKENIZER_FILES, link_out_of
 
     for source in sources:
         if not source:
@@ -367,7 +367,7 @@ def load_tokenizer(*sources: Optional[str]):
             os.path.isfile(os.path.join(source, name)) for name in ("tokenizer.json", "tokenizer_config.json")
         ):
             continue
-        if os.path.isdir(source) and any(_leaves(source, os.path.join(source, name)) for name in TOKENIZER_FILES):
+        if os.path.isdir(source) and any(link_out_of(source, os.path.join(source, name)) for name in TOKENIZER_FILES):
             logger.info("No tokenizer from %s: its tokenizer files include a link out of it.", source)
             continue
         try:

@@ -212,10 +212,10 @@ def matching_reference(metadata: TokenizerMetadata, candidates: list[str]) -> Op
 
 def demo_gguf_candidates() -> list[str]:
     """The embedded demo model's GGUF file, when its package is installed."""
-    from ..models import DEFAULT_GGUF_FILE, _gguf_package_dir
+    from ..models import DEFAULT_GGUF_FILE, gguf_package_dir
 
     try:
-        return [os.path.join(_gguf_package_dir(), DEFAULT_GGUF_FILE)]
+        return [os.path.join(gguf_package_dir(), DEFAULT_GGUF_FILE)]
     except ImportError:
         return []
 

@@ -370,13 +370,13 @@ def export_lora(
         )
     from safetensors.torch import save_file
 
-    from ..hub.staging import TOKENIZER_FILES, _copy_inside
+    from ..hub.staging import TOKENIZER_FILES, copy_inside
 
     with staged_directory(out_dir, "hf-lisa export lora", overwrite) as staging:
         lora_config.save_pretrained(staging)
         save_file(tensors, os.path.join(staging, "adapter_model.safetensors"), metadata={"format": "pt"})
         for name in sorted(TOKENIZER_FILES):
-            _copy_inside(adapter_dir, name, staging)  # never through a link out of the adapter folder
+            copy_inside(adapter_dir, name, staging)  # never through a link out of the adapter folder
         if check_logits:
             report.max_logit_diff, report.logit_inputs = _logit_check(adapter_dir, staging, base_model)
             if report.exact and report.max_logit_diff > EXACT_LOGIT_TOLERANCE:

@@ -96,13 +96,13 @@ def export_merged(
         UsageError: a weight or config file of ``source`` is a symbolic link out of it (other such links are named
             in the report's ``skipped_links`` and not copied).
     """
-    from ..hub.staging import _stage_directory, summary_of_dir
+    from ..hub.staging import stage_directory, summary_of_dir
 
     check_output_path(out_dir, sources_of(source, base_model), overwrite, "OUT_DIR")
     if not os.path.isdir(source):
         raise FileNotFoundError(f"source {source!r} is not a directory (an hf-lisa train output or adapter folder).")
     with staged_directory(out_dir, "hf-lisa export merged", overwrite) as staging:
-        staged = _stage_directory(source, "merged", staging, None, max_shard_size, base_model,
+        staged = stage_directory(source, "merged", staging, None, max_shard_size, base_model,
                                   summary_of_dir(source))
         report = MergedExportReport(out_dir=os.path.abspath(out_dir),
                                     source_kind="adapter" if staged.adapter_config is not None else "full",

@@ -3,7 +3,7 @@
 Symbolic links: a link inside the folder being pushed (or exported: :mod:`hf_lisa.export` stages through here) whose
 target stays inside that folder is followed like the file it points to. A link that leads out of the folder (or
 nowhere) is never followed: it is not read, copied or uploaded, and a warning names the link and its target
-(:func:`_scan_links`). When such a link stands for a file the model is loaded from (``adapter_model.safetensors``,
+(:func:`scan_links`). When such a link stands for a file the model is loaded from (``adapter_model.safetensors``,
 ``config.json``, weight shards), the push or export is refused with a :class:`~hf_lisa.errors.UsageError` naming it.
 
 An adapter is pushed only with a Hub id for its base model: when its ``base_model_name_or_path`` is a local folder
@@ -135,7 +135,7 @@ def _is_model_file(name: str) -> bool:
         name.startswith(("model", "pytorch_model", "adapter_model")) and name.endswith((".safetensors", ".bin", ".json")))
 
 
-def _leaves(src: str, path: str) -> Optional[str]:
+def link_out_of(src: str, path: str) -> Optional[str]:
     """Where ``path`` leads when it (or a folder on its way) is a link out of ``src``; ``None`` while inside."""
     root, real = os.path.realpath(src), os.path.realpath(path)
     if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
@@ -143,7 +143,7 @@ def _leaves(src: str, path: str) -> Optional[str]:
     return os.readlink(path) if os.path.islink(path) else real
 
 
-def _scan_links(src: str) -> list[str]:
+def scan_links(src: str) -> list[str]:
     """Every link under ``src`` that leads out of it, as ``"name -> target"``, each named in a warning; none is
     followed. A link standing for a model file (weights, config) is refused instead, naming it.
 
@@ -154,7 +154,7 @@ def _scan_links(src: str) -> list[str]:
     for root, dirs, files in os.walk(src):  # links to folders are listed, never entered
         for name in sorted(dirs + files):
             path = os.path.join(root, name)
-            target = _leaves(src, path) if os.path.islink(path) else None
+            target = link_out_of(src, path) if os.path.islink(path) else None
             if target is None:
                 continue
             rel = os.path.relpath(path, src)
@@ -170,10 +170,10 @@ def _scan_links(src: str) -> list[str]:
     return skipped
 
 
-def _copy_inside(src: str, rel: str, folder: str) -> bool:
+def copy_inside(src: str, rel: str, folder: str) -> bool:
     """Copy ``src/rel`` to ``folder/rel`` when it is a file that stays inside ``src`` (links in it followed)."""
     path = os.path.join(src, rel)
-    if not os.path.isfile(path) or _leaves(src, path) is not None:
+    if not os.path.isfile(path) or link_out_of(src, path) is not None:
         return False
     os.makedirs(os.path.dirname(os.path.join(folder, rel)), exist_ok=True)
     shutil.copy2(path, os.path.join(folder, rel))
@@ -193,7 +193,7 @@ def _resolve_mode(mode: Optional[str], kind: str, what: str) -> str:
     return mode
 
 
-def _check_mergeable(peft_model) -> None:
+def check_mergeable(peft_model) -> None:
     """Refuse before any copy or upload when the tuner cannot merge (layer interpolation raises ValueError)."""
     check = getattr(peft_model.base_model, "_check_merge_allowed", None)
     if check is None:
@@ -206,13 +206,13 @@ def _check_mergeable(peft_model) -> None:
 
 def _copy_tokenizer_files(src: str, folder: str) -> list[str]:
     """Copy the tokenizer files of ``src`` (and ``additional_chat_templates/``) that stay inside it."""
-    copied = [name for name in sorted(os.listdir(src)) if name in TOKENIZER_FILES and _copy_inside(src, name, folder)]
+    copied = [name for name in sorted(os.listdir(src)) if name in TOKENIZER_FILES and copy_inside(src, name, folder)]
     templates = os.path.join(src, "additional_chat_templates")
-    if os.path.isdir(templates) and _leaves(src, templates) is None:
+    if os.path.isdir(templates) and link_out_of(src, templates) is None:
         for root, _, names in os.walk(templates):
             for name in sorted(names):
                 rel = os.path.relpath(os.path.join(root, name), src)
-                if _copy_inside(src, rel, folder):
+                if copy_inside(src, rel, folder):
                     copied.append(rel.replace(os.sep, "/"))
     return copied
 
@@ -228,14 +228,14 @@ def _find_loss_plot(src: str, summary: TrainingSummary) -> Optional[str]:
     if not name.lower().endswith(IMAGE_SUFFIXES) or os.path.isabs(name) or ".." in name.split("/"):
         logger.warning("Ignoring loss plot %r: expected an image file inside the output directory.", name)
         return None
-    return None if _leaves(src, path) is not None else name  # a link out of src: _scan_links named it
+    return None if link_out_of(src, path) is not None else name  # a link out of src: scan_links named it
 
 
-def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_shard_size, base_model,
+def stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_shard_size, base_model,
                      summary: TrainingSummary) -> _Staged:
     if not os.path.isdir(src):
         raise FileNotFoundError(f"output directory {src!r} does not exist.")
-    skipped_links = _scan_links(src)  # before any file of src is read: refuses weights behind a link out of src
+    skipped_links = scan_links(src)  # before any file of src is read: refuses weights behind a link out of src
     adapter_config = _read_json(os.path.join(src, ADAPTER_CONFIG_NAME))
     model_config = _read_json(os.path.join(src, MODEL_CONFIG_NAME))
     if adapter_config is None and model_config is None:
@@ -259,12 +259,12 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
                 )
             raise FileNotFoundError(f"{src!r} has {ADAPTER_CONFIG_NAME} but no {ADAPTER_SAFETENSORS_NAME}.")
         for name in ADAPTER_FILES:
-            _copy_inside(src, name, folder)
+            copy_inside(src, name, folder)
     elif kind == "adapter":
         # merge from disk: one copy of the weights in memory, and the tuner's own merge (which refuses interpolation)
         override = base_model if _looks_local(staged.source_base) and not os.path.exists(staged.source_base) else None
         peft_model = from_pretrained(src, base_model=override)
-        _check_mergeable(peft_model)
+        check_mergeable(peft_model)
         merged = peft_model.merge_and_unload(safe_merge=True)
         merged.save_pretrained(folder, max_shard_size=max_shard_size)
         staged.model_config = _read_json(os.path.join(folder, MODEL_CONFIG_NAME))
@@ -283,7 +283,7 @@ def _stage_directory(src: str, mode: Optional[str], folder: str, tokenizer, max_
         _copy_tokenizer_files(src, folder)
     staged.loss_plot = _find_loss_plot(src, summary)
     if staged.loss_plot:
-        _copy_inside(src, staged.loss_plot, folder)
+        copy_inside(src, staged.loss_plot, folder)
     return staged
 
 
@@ -324,7 +324,7 @@ def _stage_peft_model(model, mode: Optional[str], folder: str, tokenizer, max_sh
         shutil.rmtree(scratch)
         staged.adapter_config = _read_json(os.path.join(folder, ADAPTER_CONFIG_NAME))
     else:
-        _check_mergeable(model)
+        check_mergeable(model)
         # merge a copy: the caller's model stays a trainable PeftModel (costs one extra copy of the weights; push
         # the output directory instead to merge from disk)
         merged = copy.deepcopy(model).merge_and_unload(safe_merge=True)
@@ -348,8 +348,8 @@ def _stage_full_model(model, mode: Optional[str], folder: str, tokenizer, max_sh
 
 def summary_of_dir(src: str) -> TrainingSummary:
     """``training_summary.json`` of ``src``; an empty summary when there is none, or when it is a link out of ``src``
-    (:func:`_scan_links` names it)."""
-    if _leaves(src, os.path.join(src, TRAINING_SUMMARY_NAME)) is not None:
+    (:func:`scan_links` names it)."""
+    if link_out_of(src, os.path.join(src, TRAINING_SUMMARY_NAME)) is not None:
         return TrainingSummary()
     return TrainingSummary.from_dir(src)
 
@@ -366,7 +366,7 @@ def _summary_for(model_or_dir, summary: Optional[Union[TrainingSummary, dict]]) 
 def _stage(model_or_dir, mode, folder, tokenizer, max_shard_size, base_model, summary) -> _Staged:
     summary = _summary_for(model_or_dir, summary)
     if isinstance(model_or_dir, (str, os.PathLike)):
-        return _stage_directory(os.fspath(model_or_dir), mode, folder, tokenizer, max_shard_size, base_model, summary)
+        return stage_directory(os.fspath(model_or_dir), mode, folder, tokenizer, max_shard_size, base_model, summary)
     from peft import PeftModel
     from transformers import PreTrainedModel
 

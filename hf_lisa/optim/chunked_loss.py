@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..blocks import _unwrap
+from ..blocks import unwrap_model
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -106,7 +106,7 @@ def install_chunked_loss(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    target = _unwrap(model)  # PeftModel, PEFT tuners, DDP: down to the transformers model
+    target = unwrap_model(model)  # PeftModel, PEFT tuners, DDP: down to the transformers model
     if not isinstance(target, PreTrainedModel):
         logger.info("--chunked_loss: %s is not a transformers model; its loss is unchanged.", type(model).__name__)
         return False

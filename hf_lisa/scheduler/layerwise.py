@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..blocks import _unwrap
+from ..blocks import unwrap_model
 from ..tuner.config import check_lisa_settings
 from .active_set import ActiveSet, BlockIndex
 from .common import SCHEDULER_STATE_VERSION, _numel, lisa_config_of
@@ -195,7 +195,7 @@ class LayerwiseScheduler:
         if self.always_trainable_spec is None:
             return list(outside)
         outside_ids = {id(p) for p in outside}
-        root = _unwrap(model)
+        root = unwrap_model(model)
         chosen: dict[int, nn.Parameter] = {}
 
         def take(module: Optional[nn.Module]) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..tuner.config import LAYER_SAMPLING_STRATEGIES, _is_int, check_lisa_settings
+from ..tuner.config import LAYER_SAMPLING_STRATEGIES, is_int, check_lisa_settings
 
 __all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
 
@@ -63,7 +63,7 @@ class LayerSampler:
         importance_decay: float = 0.9,
         importance_floor: float = 0.1,
     ) -> None:
-        if not _is_int(num_layers) or num_layers < 1:
+        if not is_int(num_layers) or num_layers < 1:
             raise ValueError(f"num_layers={num_layers!r} is invalid; the model must have at least one block.")
         # γ <= N is checked here, where N is known, by the rules every other LISA setting follows
         check_lisa_settings(
@@ -73,7 +73,7 @@ class LayerSampler:
             allow_every_block=False,
             num_blocks=num_layers,
         )
-        if not _is_int(seed):
+        if not is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
         if not 0.0 <= importance_decay < 1.0:
             raise ValueError(f"importance_decay={importance_decay!r} is invalid; allowed: a float in [0, 1).")

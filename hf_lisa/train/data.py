@@ -90,7 +90,7 @@ class TokenizationReport:
     kept: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, dict[str, int]] = field(default_factory=dict)
     skipped_lines: dict[str, dict[str, list[int]]] = field(default_factory=dict)
-    kept_rows: dict[str, list[int]] = field(default_factory=dict, repr=False)  # positions of the kept rows, per split
+    kept_rows: dict[str, Any] = field(default_factory=dict, repr=False)  # positions of the kept rows (int64 arrays)
 
     def total_skipped(self, split: str) -> int:
         return sum(self.skipped.get(split, {}).values())
@@ -389,6 +389,7 @@ def tokenize_datasets(
             where every row was skipped.
     """
     import datasets
+    import numpy as np
 
     splits = with_locations(raw_datasets)
     columns = Columns(prompt_column, completion_column, messages_column, text_column)
@@ -431,7 +432,7 @@ def tokenize_datasets(
         lines = {why: heapq.nsmallest(SKIP_EXAMPLES, found) for why, found in every_line.items()}
         kept = mapped.filter(lambda r: not r, input_columns=[SKIP_COLUMN], desc=f"Dropping skipped {split} rows")
         kept = kept.remove_columns([SKIP_COLUMN, LINE_COLUMN])
-        kept_rows = [i for i, why in enumerate(mapped[SKIP_COLUMN]) if not why]
+        kept_rows = np.flatnonzero(np.fromiter((not why for why in mapped[SKIP_COLUMN]), dtype=bool, count=len(mapped)))
         report.kept[split], report.kept_rows[split] = len(kept), kept_rows
         report.skipped[split] = dict(reasons)
         report.skipped_lines[split] = lines

@@ -269,7 +269,7 @@ def _as_train(part: dict) -> tuple[dict, dict]:
 
 def _renamed(report, names: dict):
     return dataclasses.replace(
-        report, kept={names[s]: n for s, n in report.kept.items()},
+        report, kept_rows={}, kept={names[s]: n for s, n in report.kept.items()},
         skipped={names[s]: n for s, n in report.skipped.items()},
         skipped_lines={names[s]: n for s, n in report.skipped_lines.items()},
     )

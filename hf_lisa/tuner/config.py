@@ -23,7 +23,7 @@ LAYER_SCHEDULE_DEFAULTS = {"lisa_interval_steps": 20, "lisa_sampling": "uniform"
 # ----------------------------------------------------------------------------------------------------------------------
 # The value rules of LISA's settings: checked here and nowhere else
 # ----------------------------------------------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -33,19 +33,19 @@ def _is_number(value: Any) -> bool:
 
 #: setting -> (test, what is allowed) for the rules that look at one value alone
 _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "r": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "r": (lambda v: is_int(v) and v > 0, "a positive integer"),
     "lisa_alpha": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "lisa_dropout": (lambda v: _is_number(v) and 0.0 <= v < 1.0, "a float in [0, 1)"),
     "sparsity": (lambda v: _is_number(v) and 0.0 <= v < 1.0, "a float in [0, 1)"),
     "sparsity_structure": (lambda v: v in SPARSITY_STRUCTURES, f"one of {SPARSITY_STRUCTURES}"),
     "mask_init": (lambda v: v in MASK_INITS, f"one of {MASK_INITS}"),
-    "mask_update_interval": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 never re-selects)"),
-    "importance_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "mask_update_interval": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 never re-selects)"),
+    "importance_steps": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
     "mask_keep_learned": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
     "new_block_bonus": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
     "interpolation_delta_bound": (lambda v: _is_number(v) and v > 0, "a float > 0"),
     "interpolation_beta_l2": (lambda v: _is_number(v) and v >= 0, "a float >= 0"),
-    "lisa_interval_steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "lisa_interval_steps": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
     "lisa_sampling": (lambda v: v in LAYER_SAMPLING_STRATEGIES, f"one of {LAYER_SAMPLING_STRATEGIES}"),
     "lisa_optimizer_state_policy": (lambda v: v in OPTIMIZER_STATE_POLICIES, f"one of {OPTIMIZER_STATE_POLICIES}"),
     "fuse_sparse_delta": (lambda v: isinstance(v, bool), "True or False"),
@@ -58,7 +58,7 @@ _SYMBOLS = {"lisa_activated_layers": "γ", "lisa_interval_steps": "K"}
 def _pair(value, label: str) -> tuple[int, int]:
     """Accept ``2``, ``(2, 2)``, ``[2, 2]``, ``"2x2"`` or ``"2:4"`` and return a pair of positive ints."""
     try:
-        if _is_int(value):
+        if is_int(value):
             pair = (value, value)
         elif isinstance(value, str):
             sep = ":" if ":" in value else "x"
@@ -143,7 +143,7 @@ def check_lisa_settings(
             allowed = "an integer >= 0 (0 trains every block)"
         else:
             allowed = "an integer >= 1; to train every block, use plain fine-tuning (--method full)"
-        need(_is_int(gamma) and gamma >= low, "lisa_activated_layers", gamma, allowed)
+        need(is_int(gamma) and gamma >= low, "lisa_activated_layers", gamma, allowed)
         if num_blocks is not None:
             need(gamma <= num_blocks, "lisa_activated_layers", gamma, allowed,
                  problem=f"is larger than the number of transformer blocks ({num_blocks})")
