@@ -432,7 +432,8 @@ def tokenize_datasets(
         lines = {why: heapq.nsmallest(SKIP_EXAMPLES, found) for why, found in every_line.items()}
         kept = mapped.filter(lambda r: not r, input_columns=[SKIP_COLUMN], desc=f"Dropping skipped {split} rows")
         kept = kept.remove_columns([SKIP_COLUMN, LINE_COLUMN])
-        kept_rows = np.flatnonzero(np.fromiter((not why for why in mapped[SKIP_COLUMN]), dtype=bool, count=len(mapped)))
+        skips = mapped[SKIP_COLUMN]
+        kept_rows = np.flatnonzero(np.fromiter((not why for why in skips), dtype=bool, count=len(skips)))
         report.kept[split], report.kept_rows[split] = len(kept), kept_rows
         report.skipped[split] = dict(reasons)
         report.skipped_lines[split] = lines
