@@ -6,6 +6,34 @@ and the absence of a traceback).
 Every row that must not train runs with weight loading forbidden (:func:`forbid_weight_loading`): the error has to
 come before any weight is read, from the arguments, the files and the model's ``config.json``. The data rows of the
 issue are in ``tests/test_data_validation.py`` and the output-directory rows in ``tests/test_output_safety.py``.
+
+Issue 33 (nothing lost, nothing silent), item by item, where each case is held (this table's rows by id):
+
+====  ==============================================================================================================
+item  tests
+====  ==============================================================================================================
+1     ``test_run_races.py::test_a_run_held_after_its_folder_check_keeps_the_folder_and_a_second_run_is_refused``
+2     ``test_serving_safety.py::test_generate_refuses_to_write_into_a_file_of_the_model_the_adapter_or_its_base``
+3     ``test_export_overwrite.py`` (every test; lora, merged and gguf)
+4     rows ``*-at-its-default``; ``test_silent_inputs.py::test_yaml_null_learning_rate_is_the_methods_default``
+5     ``test_silent_inputs.py::test_the_bundled_task_is_named_at_the_start_with_how_to_give_data``
+6     ``test_serving_safety.py::test_an_adapter_whose_weights_do_not_fit_its_config_is_refused_naming_file_counts_and_keys``
+7     rows ``train_file-hard-link-twice``, ``train_file-folder-and-a-file-in-it``, ``validation_file-is-the-train_file``;
+      ``test_silent_inputs.py::test_validation_rows_that_are_training_rows_are_counted``
+8     ``test_progress_guard.py::test_bf16_weights_at_a_rate_below_their_precision_stop`` and the tests after it
+9     ``test_silent_inputs.py::test_a_mixture_far_from_its_weights_warns_with_the_numbers``
+10    ``test_silent_inputs.py::test_ctrl_c_does_not_parse_or_read_the_files_again``; rows ``chat_template-fifo``,
+      ``chat_template-device``, ``chat_template-too-large``, ``yaml-config-file-fifo``
+11    ``test_silent_inputs.py::test_an_overlength_row_drawn_for_validation_is_replaced_by_a_kept_row``
+12    rows ``train_file-weights-overflow``, ``dataset_name-is-a-model-folder``; ``test_silent_inputs.py`` (templates);
+      ``test_serving_safety.py`` (prompts and chat input not UTF-8, full disk, pickles, custom code, bad bases);
+      ``test_run_races.py`` (read-only target and full disk before and during a save)
+13    ``test_serving_safety.py::test_a_sigkilled_generate_leaves_a_partial_that_the_next_run_removes``;
+      ``test_run_races.py::test_a_refused_run_removes_the_folders_it_created_and_only_those``
+14    ``test_hub.py`` (a live pickle payload is never unpickled by push); ``test_export.py`` (nor by export)
+15    ``test_serving_safety.py::test_an_adapters_own_chat_template_renders_bounded_and_is_named``
+16    ``test_serving_safety.py::test_a_relative_base_path_is_read_from_the_adapters_folder_not_the_current_directory``
+====  ==============================================================================================================
 """
 
 from __future__ import annotations
