@@ -46,6 +46,14 @@ ADAPTER_LEARNING_RATE = 5e-4
 FULL_LISA_LEARNING_RATE = 1e-4
 
 
+#: LoRA's and DoRA's targets when none are given: every linear layer but the output head (PEFT's "all-linear"), the
+#: baseline practitioners run (LLaMA-Factory's default lora_target "all", axolotl's lora_target_linear) rather than
+#: PEFT's per-architecture q/v defaults, which trail it on held-out tasks (issue 37)
+LORA_DEFAULTS = MappingProxyType({"target_modules": ["all-linear"]})
+#: LoRA's lora_alpha when none is given: 2·r, LLaMA-Factory's default and the α = 2r of the study's LoRA (issue 37)
+LORA_ALPHA_PER_RANK = 2.0
+
+
 @dataclass(frozen=True)
 class Method:
     """One training method of ``hf-lisa train`` (see the module docstring for the fields' meaning)."""
@@ -58,6 +66,8 @@ class Method:
     schedule: Optional[str] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     learning_rate: Optional[float] = None
+    #: ``lisa_alpha`` (LoRA's ``lora_alpha``) when it is not given: this many times ``r``
+    alpha_per_rank: Optional[float] = None
 
     @property
     def is_adapter(self) -> bool:
@@ -95,9 +105,10 @@ METHODS: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
            "LISA PEFT adapters: sparsity, interpolation, sampling", adapter_type="LISA", schedule="adapter",
            defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS}),
            learning_rate=ADAPTER_LEARNING_RATE),
-    Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA", learning_rate=ADAPTER_LEARNING_RATE),
+    Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA", learning_rate=ADAPTER_LEARNING_RATE,
+           defaults=LORA_DEFAULTS, alpha_per_rank=LORA_ALPHA_PER_RANK),
     Method("dora", "DoRA", "PEFT DoRA (LoRA with use_dora)", adapter_type="LORA", use_dora=True,
-           learning_rate=ADAPTER_LEARNING_RATE),
+           learning_rate=ADAPTER_LEARNING_RATE, defaults=LORA_DEFAULTS, alpha_per_rank=LORA_ALPHA_PER_RANK),
     Method("full", "full fine-tuning", "every weight trains"),
 )})
 #: the method ``hf-lisa train`` runs when none is given

@@ -369,3 +369,35 @@ def test_a_sparse_lisa_adapter_says_its_costs_before_the_first_step(tiny, tmp_pa
     assert "calibrated from |dL/dW| over 2 extra forward/backward passes" in out
     assert out.index("calibrated from") < out.index("trained 4 steps")
     assert "export lora` of a sparse adapter is a truncated SVD" in out
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_lora_defaults_to_every_linear_layer_with_alpha_twice_the_rank(method):
+    """Issue 37: `--method lora`/`dora` train what practitioners run (LLaMA-Factory's lora_target all, axolotl's
+    lora_target_linear): every linear layer of the blocks, α = 2r; what is typed decides."""
+    _, _, lisa_args, _ = parse_args(["--method", method])
+    settings = lisa_config_kwargs(lisa_args)
+    assert settings["target_modules"] == "all-linear" and settings["lisa_alpha"] == 16 and settings["r"] == 8
+    _, _, lisa_args, _ = parse_args(["--method", method, "--r", "4"])
+    assert lisa_config_kwargs(lisa_args)["lisa_alpha"] == 8
+    _, _, lisa_args, _ = parse_args(["--method", method, "--r", "4", "--lisa_alpha", "8", "--target_modules", "q_proj"])
+    typed = lisa_config_kwargs(lisa_args)
+    assert typed["lisa_alpha"] == 8 and typed["target_modules"] == ["q_proj"]
+    _, _, lisa_args, _ = parse_args(["--method", method, "--lisa_alpha", "8"])  # typed at LisaConfig's default
+    assert lisa_config_kwargs(lisa_args)["lisa_alpha"] == 8
+    # the LISA adapter keeps LisaConfig's own defaults (PEFT's per-architecture targets, alpha = r)
+    _, _, lisa_args, _ = parse_args(["--method", "lisa-adapter"])
+    assert lisa_config_kwargs(lisa_args)["target_modules"] is None and lisa_config_kwargs(lisa_args)["lisa_alpha"] == 8
+
+
+@pytest.mark.slow
+def test_lora_trains_every_linear_layer_and_says_so_at_the_start(tiny, tmp_path, capsys):
+    out = tmp_path / "lora"
+    argv = _common(tiny, out, "lora", "--eval_strategy", "no", "--eval_generation_samples", "0")
+    assert cli.main(["train", *argv]) == 0
+    assert ("method=lora (PEFT LoRA r=4, alpha=8 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj)"
+            in capsys.readouterr().out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                 "v_proj"]
+    assert config["lora_alpha"] == 8 and config["r"] == 4

@@ -190,7 +190,9 @@ class _CommandLineForm:
 #: default differs; every other field becomes an option with its own type, default and help.
 _COMMAND_LINE_FORMS: dict[str, _CommandLineForm] = {
     # list-or-string unions: a list of names ("all-linear" alone is PEFT's keyword)
-    "target_modules": _CommandLineForm(Optional[list[str]], None, _module_names),
+    "target_modules": _CommandLineForm(Optional[list[str]], None, _module_names, note=(
+        " Default for --method lora and dora: all-linear (every linear layer of the blocks, as LLaMA-Factory and "
+        "axolotl users run LoRA).")),
     "exclude_modules": _CommandLineForm(Optional[list[str]], None, _module_names),
     "layers_to_transform": _CommandLineForm(Optional[list[int]], None),
     "layers_pattern": _CommandLineForm(Optional[list[str]], None),
@@ -207,7 +209,8 @@ _COMMAND_LINE_FORMS: dict[str, _CommandLineForm] = {
         _CommandLineForm(Optional[str], None, _json_dict, " On the command line a JSON object (a mapping in YAML)."),
     ),
     # LisaConfig's own default, as a number (0.5 parses); γ's depends on the form (methods.resolve_method_defaults)
-    "lisa_alpha": _CommandLineForm(float, LisaConfig.__dataclass_fields__["lisa_alpha"].default),
+    "lisa_alpha": _CommandLineForm(float, LisaConfig.__dataclass_fields__["lisa_alpha"].default, note=(
+        " Default for --method lora and dora: 2 * r (LLaMA-Factory's).")),
     "lisa_activated_layers": _CommandLineForm(Optional[int], None, note=(
         f" Default: {FULL_LISA.defaults['lisa_activated_layers']} for --method {FULL_LISA.name} (LisaCallback's; it "
         f"needs 1 or more), {LISA_ADAPTER.defaults['lisa_activated_layers']} for --method {LISA_ADAPTER.name} "
@@ -424,7 +427,7 @@ def validate_args(model_args, data_args, lisa_args, training_args, typed: Option
         lisa_args.push_mode in (None, *PUSH_MODES),
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
-    resolve_method_defaults(lisa_args)
+    resolve_method_defaults(lisa_args, typed)
     check_method_options(lisa_args, typed)
     check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
     check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses

@@ -71,11 +71,15 @@ def uses(method: str, option: str) -> bool:
     return method in OPTION_METHODS[option]
 
 
-def resolve_method_defaults(lisa_args) -> None:
-    """Fill the settings left unset (``None``) with the registry's defaults of ``lisa_args.method``."""
+def resolve_method_defaults(lisa_args, typed: Optional[Collection[str]] = None) -> None:
+    """Fill the settings left unset (``None``) with the registry's defaults of ``lisa_args.method``, and an ``alpha``
+    not given (``typed``; without it, at LisaConfig's default) from the method's ``alpha_per_rank``."""
     for name, default in method_defaults(lisa_args.method).items():
         if getattr(lisa_args, name) is None:
-            setattr(lisa_args, name, default)
+            setattr(lisa_args, name, list(default) if isinstance(default, (list, tuple)) else default)
+    per_rank = METHODS[lisa_args.method].alpha_per_rank
+    if per_rank is not None and "lisa_alpha" not in given_options(lisa_args, typed):
+        lisa_args.lisa_alpha = per_rank * lisa_args.r
 
 
 def given_options(lisa_args, typed: Optional[Collection[str]] = None) -> dict[str, Any]:

@@ -123,7 +123,13 @@ def _what_trains(model) -> str:
     """`` (LISA adapters: ...)`` for a LISA adapter, naming what it trains (the same words as its card); else ``""``."""
     configs = getattr(model, "peft_config", None) or {}
     config = configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
-    if config is None or str(getattr(config, "peft_type", "")).upper().split(".")[-1] != "LISA":
+    peft_type = str(getattr(config, "peft_type", "")).upper().split(".")[-1]
+    if peft_type == "LORA":  # the defaults (all-linear, α = 2r) are said where they take effect
+        targets = config.target_modules
+        targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list, tuple)) else str(targets)
+        return (f" (PEFT {'DoRA' if config.use_dora else 'LoRA'} r={config.r}, alpha={config.lora_alpha:g} on "
+                f"{targets})")
+    if config is None or peft_type != "LISA":
         return ""
     from ..hub.card_tables import lisa_adapter_title
 
