@@ -401,3 +401,15 @@ def test_lora_trains_every_linear_layer_and_says_so_at_the_start(tiny, tmp_path,
     assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
                                                  "v_proj"]
     assert config["lora_alpha"] == 8 and config["r"] == 4
+
+
+@pytest.mark.parametrize("method", ["lisa", "lora", "full"])
+def test_dpo_defaults_to_trls_dpo_learning_rate_and_a_typed_rate_decides(method):
+    """Issue 37: `--stage dpo` trained at the SFT rates (1e-4 / 5e-4), 100-500x TRL's DPO default of 1e-6."""
+    from hf_lisa.train.arguments import DPO_LEARNING_RATE
+
+    _, _, _, training_args = parse_args(["--method", method, "--stage", "dpo", "--output_dir", "o"])
+    assert training_args.learning_rate == DPO_LEARNING_RATE == 1e-6
+    _, _, _, training_args = parse_args(["--method", method, "--stage", "dpo", "--learning_rate", "5e-6",
+                                         "--output_dir", "o"])
+    assert training_args.learning_rate == 5e-6

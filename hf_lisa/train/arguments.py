@@ -308,8 +308,8 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
     if own and "learning_rate" not in defaults:
         action = next(a for a in parser._actions if a.dest == "learning_rate")
         action.help = (f"The initial learning rate for the optimizer. Default: each method's own "
-                       f"({', '.join(f'{n} {v:g}' for n, v in own.items())}; the others %(default)s), below a "
-                       "config file's value and the command line's.")
+                       f"({', '.join(f'{n} {v:g}' for n, v in own.items())}; the others %(default)s; with --stage "
+                       "dpo 1e-06, TRL's DPO default), below a config file's value and the command line's.")
     return parser
 
 
@@ -343,6 +343,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
     known = parser.parse_known_args(argv)[0]
     check_deepspeed_file(getattr(known, "deepspeed", None))
     rate = method_learning_rate(getattr(known, "method", None))
+    if getattr(known, "stage", None) == "dpo":
+        rate = DPO_LEARNING_RATE  # the SFT rates are 100-500x TRL's DPO default (issue 37); no DPO run of ours beats it
     if rate is not None and values.get("learning_rate") is None and not _on_command_line(argv, "learning_rate"):
         values["learning_rate"] = rate  # the method's own default, below the file and the command line (YAML null:
         parser = build_parser(values, source)  # not set, so the method's default too)
@@ -383,6 +385,10 @@ def typed_options(parser, argv: Sequence[str], file_values: Mapping[str, Any]) -
         if action is not None:
             typed.add(action.dest)
     return frozenset(typed)
+
+
+#: ``--stage dpo``'s learning rate when none is given, for every method: TRL's ``DPOConfig`` default
+DPO_LEARNING_RATE = 1e-6
 
 
 def method_learning_rate(name: Any) -> Optional[float]:
