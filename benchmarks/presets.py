@@ -7,7 +7,7 @@ few per-family knobs (learning rate, LISA's γ and K). Command-line options over
   methods in about 20 minutes on 2 CPU cores. K is 5 instead of the paper's 20 so that eight active sets occur
   in 40 steps; the table says so.
 * ``gpu``: the same model and task with bf16 autocast (fp32 master weights), a larger batch, 200 steps and the
-  paper's K = 20: meant for a one-shot run on a single GPU.
+  K = 20 (LMFlow's script default): meant for a one-shot run on a single GPU.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ PRESETS: dict[str, Preset] = {
         name="cpu-small", steps=40, batch_size=4, seq_len=128, device="cpu", eval_every=10, eval_samples=32,
         exact_match_samples=32, timing_warmup_steps=3, lisa_interval_steps=5, importance_steps=4,
     ),
-    # one GPU: the paper's K = 20 over 200 steps (10 switches), bf16 autocast
+    # one GPU: LMFlow's K = 20 over 200 steps (10 switches), bf16 autocast
     "gpu": Preset(
         name="gpu", steps=200, batch_size=16, seq_len=256, device="cuda", bf16=True, eval_every=20, eval_samples=64,
         exact_match_samples=64, timing_warmup_steps=10, lisa_interval_steps=20, importance_steps=8,

@@ -150,8 +150,9 @@ def render_markdown(report: dict) -> str:
         f"learning rate: {preset['lr_full_parameter']:g} for full-parameter methods, {preset['lr_adapter']:g} for "
         f"adapters; LoRA/LISA adapters r={preset['lora_r']}, alpha={preset['lora_alpha']:g} on all linear layers",
         f"- **LISA:** γ = {gamma} blocks, K = {k} steps"
-        + (f" (the paper's K is 20; this preset uses {k} so that {math.ceil(preset['steps'] / k)} active sets occur "
-           f"in {preset['steps']} steps)" if k != 20 else ""),
+        + (f" (K = 20 is LMFlow's script default and hf-lisa's; the LISA paper's best ablation is K ≈ T/10; this "
+           f"preset uses {k} so that {math.ceil(preset['steps'] / k)} active sets occur in {preset['steps']} steps)"
+           if k != 20 else ""),
     ]
     applied = [r.get("cpu_allocator", {}).get("applied") for r in ok]
     trims = [r.get("cpu_allocator", {}).get("trims", 0) for r in ok]
