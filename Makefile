@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast test-compat lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
+.PHONY: install demo test test-distributed test-fast test-compat check-peer-install lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ test-compat:
 	for lane in $(COMPAT_LANES); do echo "== $$lane: $$(tr '\n' ' ' < .venv-compat/$$lane/versions.txt)"; \
 		cat .venv-compat/$$lane/times.txt; done; \
 	if [ -n "$$failed" ]; then echo "compat lanes failed:$$failed"; exit 1; fi
+
+# hf-lisa beside axolotl 0.19.0 and LLaMA-Factory 0.9.5: `pip install --dry-run PEER <checkout>` must resolve with every
+# version the peer pins unchanged (tests/compat/check_peer_install.py), in a throwaway virtualenv with the CPU torch
+PEERS ?= axolotl==0.19.0 llamafactory==0.9.5
+check-peer-install:
+	rm -rf .venv-compat/peer-install
+	$(PYTHON) -m venv .venv-compat/peer-install
+	.venv-compat/peer-install/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
+	.venv-compat/peer-install/bin/python tests/compat/check_peer_install.py .venv-compat/peer-install/bin/python $(PEERS)
 
 # LISA vs LoRA vs full fine-tuning vs the naive callback, side by side on 2 CPU cores; benchmarks/README.md. The eval
 # loss at steps 0, 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method)
