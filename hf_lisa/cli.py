@@ -161,11 +161,47 @@ def quiet_third_parties() -> None:
 
 def _refuse_unknown_flags(rest: Sequence[str]) -> None:
     """A mistyped flag is refused before torch, transformers and PEFT are imported (:mod:`hf_lisa.option_names`)."""
-    from .option_names import suggestion, unknown_options
+    from .option_aliases import canonical_argv
+    from .option_names import CONFIG_SUFFIXES, suggestion, unknown_options
 
     unknown = unknown_options(rest)
     if unknown:
         raise UsageError(f"unrecognised argument(s): {', '.join(suggestion(flag) for flag in unknown)}. Run "
+                         "`hf-lisa config-reference` for the full list.")
+    canonical_argv(rest)  # an alias given with its option (hf_lisa.option_aliases)
+    if rest and not rest[0].startswith("-") and rest[0].endswith(CONFIG_SUFFIXES):
+        _refuse_unknown_keys(rest[0])
+
+
+def _refuse_unknown_keys(path: str) -> None:
+    """A config file's unknown or near-miss keys are refused as fast as a mistyped flag (before torch); a file that
+    cannot be read here (missing, too large, not a regular file, bad YAML/JSON) is left to the full reader's
+    messages."""
+    import json
+    import os
+
+    from .option_aliases import canonical_keys
+    from .option_names import suggestion, unknown_keys
+
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > 4 * 2**20:
+            return
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        if path.endswith(".json"):
+            values = json.loads(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)
+    except Exception:  # noqa: BLE001 -- the full reader (hf_lisa.train.config_file) names the problem
+        return
+    if not isinstance(values, dict):
+        return
+    canonical_keys(values, path)  # near misses, and an alias given with its option
+    unknown = sorted(str(key) for key in unknown_keys(list(values)))  # in the full parser's order
+    if unknown:
+        raise UsageError(f"{path}: unknown option(s) {', '.join(suggestion(key, '') for key in unknown)}. Run "
                          "`hf-lisa config-reference` for the full list.")
 
 

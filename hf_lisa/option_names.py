@@ -2,13 +2,16 @@
 are imported (about 14 s on a small machine): :func:`unknown_options`. Generated from the real parser (the four argument
 dataclasses, transformers' ``TrainingArguments`` included) by ``python tests/test_option_names.py --write``; the test
 fails when it is out of date. Used only while the installed transformers is the version it was generated with;
-otherwise the full parser answers, as before.
+otherwise the full parser answers, as before. The peers' names (LLaMA-Factory, axolotl, TRL) come from
+:mod:`hf_lisa.option_aliases`: an alias is known, a near miss is refused with the option to use.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 from typing import Sequence
+
+from .option_aliases import ALIASES, hint
 
 #: the transformers version whose ``TrainingArguments`` the names were generated from
 TRANSFORMERS_VERSION = '5.23.0'
@@ -79,14 +82,30 @@ def unknown_options(argv: Sequence[str]) -> list[str]:
         if not token.startswith("--") or token in ("--help", "--debug"):
             continue
         name = token[2:].split("=", 1)[0].replace("-", "_")
-        if name and name not in NAMES:
+        if name and name not in NAMES and name not in ALIASES:
             unknown.append(token.split("=", 1)[0])
     return unknown
 
 
-def suggestion(flag: str) -> str:
-    """``'--flag' (did you mean '--known'?)``, as the full parser says it."""
+def suggestion(flag: str, prefix: str = "--") -> str:
+    """``'--flag' (did you mean '--known'?)``, as the full parser says it; a peer's near miss (``--base_model``) gets
+    the option to use and why instead. ``prefix``: ``""`` for a config file's key."""
+    return name_hint(flag, flag[len(prefix):].replace("-", "_"), NAMES, prefix)
+
+
+def name_hint(shown: str, name: str, known, prefix: str = "--") -> str:
+    """``shown`` quoted, with the near miss's refusal of ``name`` or the closest of ``known`` and the aliases."""
     import difflib
 
-    close = difflib.get_close_matches(flag[2:].replace("-", "_"), sorted(NAMES), n=1)
-    return f"{flag!r}" + (f" (did you mean '--{close[0]}'?)" if close else "")
+    miss = hint(name)
+    if miss:
+        return f"{shown!r} ({miss})"
+    close = difflib.get_close_matches(name, sorted(set(known) | set(ALIASES)), n=1)
+    return f"{shown!r}" + (f" (did you mean '{prefix}{close[0]}'?)" if close else "")
+
+
+def unknown_keys(keys: Sequence[str]) -> list[str]:
+    """The keys of a config file that ``hf-lisa train`` does not know (``[]`` when it cannot tell)."""
+    if not matches_installed_transformers():
+        return []
+    return [key for key in keys if not isinstance(key, str) or (key not in NAMES and key not in ALIASES)]

@@ -155,7 +155,8 @@ def test_method_names_are_spelled_only_in_the_registry():
 # the layers of docs/architecture.md, lowest first: a module may import (at any depth, functions included) only from
 # its own layer or a lower one; the root package `hf_lisa` re-exports and is exempt
 LAYERS = (
-    ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa.models", "hf_lisa.methods", "hf_lisa.option_names", "hf_lisa._lazy"),
+    ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa.models", "hf_lisa.methods", "hf_lisa.option_names",
+     "hf_lisa.option_aliases", "hf_lisa._lazy"),
     ("hf_lisa.tuner",),
     ("hf_lisa.optim",),
     ("hf_lisa.scheduler",),

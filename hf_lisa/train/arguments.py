@@ -4,7 +4,6 @@ defaults), with the LISA settings generated from ``LisaConfig``'s fields, and th
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import logging
 import re
@@ -16,6 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import UsageError
+from ..option_aliases import canonical_argv, canonical_keys, help_note
+from ..option_names import name_hint
 from ..methods import DEFAULT_METHOD, FULL_LISA, LISA_ADAPTER, METHODS, get_method, method_names
 from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
 from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
@@ -277,10 +278,9 @@ def _suggest(names: Sequence[str], prefix: str = "") -> str:
     the names to look up, so that a stray value gets no suggestion."""
     known = _known_fields()
     hints = []
-    for name in names:
+    for name in names:  # a peer's near miss (axolotl's base_model) names the option to use (hf_lisa.option_aliases)
         key = name[len(prefix):].split("=", 1)[0]
-        close = difflib.get_close_matches(key, known, n=1) if name.startswith(prefix) else []
-        hints.append(f"{name!r}" + (f" (did you mean '{prefix}{close[0]}'?)" if close else ""))
+        hints.append(name_hint(name, key.replace("-", "_"), known, prefix) if name.startswith(prefix) else repr(name))
     return ", ".join(hints)
 
 
@@ -304,6 +304,9 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
             f"{source}: unknown option(s) {_suggest(unknown)}. Run `hf-lisa config-reference` for the full list."
         )
     parser.set_defaults(**typed_file_values(parser, defaults, source))  # typed as on the command line
+    for action in parser._actions:  # the peers' names for it (hf_lisa.option_aliases), which parse_args translates
+        if action.help and help_note(action.dest):
+            action.help += help_note(action.dest)
     own = {name: m.learning_rate for name, m in METHODS.items() if m.learning_rate is not None}
     if own and "learning_rate" not in defaults:
         action = next(a for a in parser._actions if a.dest == "learning_rate")
@@ -336,8 +339,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
     values, source, file_values = dict(defaults or {}), "defaults", {}
     if argv and not argv[0].startswith("-") and argv[0].endswith(CONFIG_SUFFIXES):
         source = argv.pop(0)
-        file_values = load_config_file(source)
+        file_values = canonical_keys(load_config_file(source), source)  # the peers' aliases (hf_lisa.option_aliases)
         values.update(file_values)
+    argv = canonical_argv(argv)
     parser = build_parser(values, source)
     argv = attach_negative_values(argv)
     known = parser.parse_known_args(argv)[0]
