@@ -1,10 +1,12 @@
 """Several training sources mixed by weight (``--train_file 'a.jsonl:0.7,b.jsonl:0.3'`` or a YAML list): the specs,
-the seeded mixture and its proportions, the rows token by token on the embedded SmolLM2 tokenizer, the skip report of
-each source, and a resumed mixed run equal to the uninterrupted one."""
+the seeded mixture and its proportions, each ``--mix_strategy`` (concat, first_exhausted, all_exhausted; the default
+``auto``) against its formula computed here draw by draw, the rows token by token on the embedded SmolLM2 tokenizer,
+the skip report of each source, and a resumed mixed run equal to the uninterrupted one for every strategy."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -113,6 +115,106 @@ def test_the_same_seed_gives_the_same_mixture_and_another_seed_another():
     assert np.bincount(source)[1] == 100 and len(source) < 400
 
 
+# -- --mix_strategy: each rule against its formula ---------------------------------------------------------------------
+def _expected_counts(sizes, weights, seed, strategy):
+    """The rows each source gives, computed draw by draw from the documented rule (not from ``mixture_order``'s
+    arrays): ``numpy.random.default_rng(seed)`` first shuffles each source, then each draw is one uniform number
+    placed in the cumulative weights."""
+    if strategy == "concat":
+        return list(sizes)  # every row once, whatever the seed
+    rng = np.random.default_rng(seed)
+    for n in sizes:
+        rng.permutation(n)  # each source's own order comes first
+    cdf = np.cumsum(np.asarray(weights, dtype=np.float64) / sum(weights))
+    cdf /= cdf[-1]
+    counts = [0] * len(sizes)
+    while True:
+        i = int(np.searchsorted(cdf, rng.random(), side="right"))
+        if strategy == "first_exhausted" and counts[i] == sizes[i]:
+            return counts  # the first draw whose source has no row left ends the mixture
+        counts[i] += 1
+        if strategy == "all_exhausted" and all(c >= n for c, n in zip(counts, sizes)):
+            return counts  # the draw that takes the last unused row ends it
+
+
+@pytest.mark.parametrize("strategy", ["concat", "first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("sizes, weights, seed", [
+    ([28, 28], [0.7, 0.3], 42),  # issue 36's mixture: first_exhausted used 8 of the 28 ShareGPT rows
+    ([50, 7, 19], [1, 2, 3], 0),
+    ([5, 300], [0.5, 0.5], 9),
+])
+def test_each_strategy_gives_the_rows_of_its_formula(strategy, sizes, weights, seed):
+    source, row = mixture_order(sizes, weights, seed, strategy)
+    counts = np.bincount(source, minlength=len(sizes)).tolist()
+    assert counts == _expected_counts(sizes, weights, seed, strategy)
+    pairs = list(zip(source.tolist(), row.tolist()))
+    for i, n in enumerate(sizes):
+        used = row[source == i]
+        assert used.min() >= 0 and used.max() < n
+        if strategy == "concat":
+            assert sorted(used.tolist()) == list(range(n))  # every row exactly once
+        elif strategy == "first_exhausted":
+            assert len(set(used.tolist())) == len(used)  # no row twice
+        else:
+            assert set(used.tolist()) == set(range(n))  # every row at least once
+    if strategy == "concat":
+        assert len(set(pairs)) == sum(sizes) and pairs != sorted(pairs)  # shuffled, not source after source
+    if strategy == "all_exhausted":
+        assert sum(counts) > sum(sizes) and max(c - n for c, n in zip(counts, sizes)) > 0  # rows re-used
+    again = mixture_order(sizes, weights, seed, strategy)
+    assert np.array_equal(again[0], source) and np.array_equal(again[1], row)  # the seed decides everything
+
+
+def test_the_default_strategy_and_the_llama_factory_names():
+    from hf_lisa.train.sources import resolve_mix_strategy
+
+    assert resolve_mix_strategy("auto", parse_sources("a.jsonl,b.jsonl")) == "concat"  # no weights: every row once
+    assert resolve_mix_strategy("auto", parse_sources([{"path": "a.jsonl"}, "b.jsonl"])) == "concat"
+    assert resolve_mix_strategy("auto", parse_sources("a.jsonl:0.7,b.jsonl:0.3")) == "first_exhausted"
+    assert resolve_mix_strategy("auto", parse_sources("a.jsonl:1,b.jsonl")) == "first_exhausted"  # one weight given
+    assert resolve_mix_strategy("auto", parse_sources([{"path": "a.jsonl", "weight": 2}, "b.jsonl"])) == \
+        "first_exhausted"
+    assert resolve_mix_strategy("interleave_under", parse_sources("a:1,b:1")) == "first_exhausted"
+    assert resolve_mix_strategy("interleave_over", parse_sources("a:1,b:1")) == "all_exhausted"
+    assert resolve_mix_strategy("all_exhausted", parse_sources("a,b")) == "all_exhausted"  # equal weights
+    assert np.array_equal(mixture_order([30, 20], [0.7, 0.3], 1, "interleave_over")[0],
+                          mixture_order([30, 20], [0.7, 0.3], 1, "all_exhausted")[0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mix_strategy", "concat"], r"--mix_strategy='concat' takes every row of every source once, so weights have "
+                                   r"no meaning, but --train_file gives .*a.jsonl:0.7, .*b.jsonl:0.3\. Drop the "
+                                   r"weights, or mix by weight with --mix_strategy first_exhausted"),
+    (["--mix_strategy", "random"], r"--mix_strategy='random' is invalid; allowed: auto, concat, first_exhausted, "
+                                   r"all_exhausted \(or LLaMA-Factory's interleave_under, interleave_over\)"),
+])
+def test_bad_strategies_are_refused_before_anything_loads(tmp_path, argv, message):
+    from hf_lisa.train import parse_args
+
+    a, b = (write_jsonl(tmp_path / f"{n}.jsonl", copy_task_rows(4)) for n in "ab")
+    with pytest.raises(UsageError, match=message):
+        parse_args(["--train_file", f"{a}:0.7,{b}:0.3", "--output_dir", str(tmp_path / "o"), "--report_to", "none",
+                    *argv])
+    _, data_args, _, _ = parse_args(["--train_file", f"{a},{b}", "--output_dir", str(tmp_path / "o"),
+                                     "--report_to", "none"])
+    assert data_args.mix_strategy == "auto"  # the documented default
+    config = tmp_path / "run.yaml"  # a config file takes it too, LLaMA-Factory's names included
+    config.write_text(yaml.safe_dump({"train_file": [{"path": a, "weight": 0.7}, {"path": b, "weight": 0.3}],
+                                      "mix_strategy": "interleave_over", "output_dir": str(tmp_path / "y"),
+                                      "report_to": "none"}))
+    _, data_args, _, _ = parse_args([str(config)])
+    assert data_args.mix_strategy == "interleave_over"
+
+
+def test_an_oversampled_mixture_that_would_never_end_is_refused():
+    from hf_lisa.train.validation import DataError
+
+    with pytest.raises(DataError, match=r"--mix_strategy all_exhausted: to use every row of every source \(1000 rows "
+                                        r"at share 1, 1000 rows at share 1e-06\) the mixture would draw about "
+                                        r"1,000,001,000 rows"):
+        mixture_order([1000, 1000], [1, 1e-6], 0, "all_exhausted")
+
+
 # -- rows token by token on SmolLM2's tokenizer ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
@@ -211,6 +313,70 @@ def test_each_source_reports_its_own_skipped_rows(smollm2, tmp_path):
     assert sum(s["rows_mixed"] for s in sources) == len(tokenized["train"])
 
 
+def _row_ids(train, tokenizer):
+    """``{"pc": [i, ...], "chat": [i, ...]}``: which rows of PC_ROWS / CHAT_ROWS the tokenised mixture holds."""
+    seen = {"pc": [], "chat": []}
+    for row in train:
+        text = tokenizer.decode(row["input_ids"])
+        if "pc question" in text:
+            seen["pc"].append(int(text.split("pc question ")[1].split("<")[0]))
+        else:
+            seen["chat"].append(int(text.split("chat hello ")[1].split("<")[0]))
+    return seen
+
+
+@pytest.mark.parametrize("strategy, weights, resolved", [
+    ("auto", "", "concat"),  # the default without weights
+    ("auto", ":0.7|:0.3", "first_exhausted"),  # the default with weights
+    ("concat", "", "concat"),
+    ("interleave_under", ":0.7|:0.3", "first_exhausted"),
+    ("all_exhausted", ":0.7|:0.3", "all_exhausted"),
+    ("interleave_over", "", "all_exhausted"),
+])
+def test_each_strategy_mixes_the_tokenised_rows_and_logs_them(smollm2, tmp_path, caplog, strategy, weights,
+                                                              resolved):
+    pc = write_jsonl(tmp_path / "pc.jsonl", PC_ROWS)
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
+    w_pc, w_chat = weights.split("|") if weights else ("", "")
+    with caplog.at_level(logging.INFO, logger="hf_lisa"):
+        data, tokenized, _ = _load_and_tokenize(f"{pc}{w_pc},{chat}{w_chat}", smollm2, seed=42,
+                                                mix_strategy=strategy)
+    seen = _row_ids(tokenized["train"], smollm2)
+    numbers = [0.7, 0.3] if weights else [1, 1]
+    expected = _expected_counts([12, 12], numbers, 42, resolved)
+    assert [len(seen["pc"]), len(seen["chat"])] == expected
+    if resolved == "concat":
+        assert sorted(seen["pc"]) == sorted(seen["chat"]) == list(range(12))  # every row once
+    elif resolved == "all_exhausted":
+        assert set(seen["pc"]) == set(seen["chat"]) == set(range(12)) and sum(expected) > 24  # all, some twice
+    else:
+        assert 12 in expected and sum(expected) < 24 and len(set(seen["pc"])) == len(seen["pc"])
+    mixture = data.summary()["mixture"]
+    assert mixture["strategy"] == resolved and mixture["strategy_option"] == strategy
+    assert [s["rows_mixed"] for s in mixture["sources"]] == expected
+    assert [s["weight"] for s in mixture["sources"]] == ([None, None] if resolved == "concat" else
+                                                         [pytest.approx(w / sum(numbers)) for w in numbers])
+    log = caplog.text
+    assert f"Mixed 2 sources into {sum(expected)} training rows (seed 42; --mix_strategy {resolved}:" in log
+    for label, n in zip((f"train_file={pc!r}", f"train_file={chat!r}"), expected):  # the realised rows, per source
+        line = next(line for line in log.splitlines() if line.strip().startswith(label))
+        assert line.split()[-2] == str(n), line
+
+
+def test_the_first_exhausted_warning_names_the_strategies_that_use_every_row(smollm2, tmp_path, caplog):
+    pc = write_jsonl(tmp_path / "pc.jsonl", PC_ROWS)
+    chat = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS[:3])
+    with caplog.at_level(logging.WARNING, logger="hf_lisa"):
+        _load_and_tokenize(f"{pc}:0.5,{chat}:0.5", smollm2, seed=0)
+    assert "mixing rule 'first_exhausted'" in caplog.text
+    assert "--mix_strategy all_exhausted (draws by weight until every source has given every row" in caplog.text
+    assert "no option for another rule" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_lisa"):
+        _load_and_tokenize(f"{pc}:0.5,{chat}:0.5", smollm2, seed=0, mix_strategy="all_exhausted")
+    assert "The mixture draws" not in caplog.text  # every row used: nothing to warn about
+
+
 def test_max_train_samples_keeps_the_first_rows_of_the_mixture(smollm2, tmp_path):
     pc = write_jsonl(tmp_path / "pc.jsonl", PC_ROWS)
     chat = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
@@ -240,16 +406,23 @@ def _train(model, spec, output_dir, *extra):
     ])
 
 
-def test_a_resumed_mixed_run_ends_with_the_uninterrupted_runs_weights(tiny_model, tmp_path):
+@pytest.mark.parametrize("weights, strategy, resolved", [
+    ((":0.6", ":0.4"), None, "first_exhausted"),  # the default with weights
+    (("", ""), None, "concat"),  # the default without weights
+    ((":0.6", ":0.4"), "all_exhausted", "all_exhausted"),
+])
+def test_a_resumed_mixed_run_ends_with_the_uninterrupted_runs_weights(tiny_model, tmp_path, weights, strategy,
+                                                                      resolved):
     pc = write_jsonl(tmp_path / "pc.jsonl", copy_task_rows(20, seed=1))
     chat = write_jsonl(tmp_path / "chat.jsonl", [
         {"messages": [{"role": "user", "content": f"say {c}"}, {"role": "assistant", "content": c * 4}]}
         for c in "abcdefghijklmnop"])
-    spec = f"{pc}:0.6,{chat}:0.4"
-    summary = _train(tiny_model, spec, tmp_path / "whole")
+    spec = f"{pc}{weights[0]},{chat}{weights[1]}"
+    extra = ["--mix_strategy", strategy] if strategy else []
+    summary = _train(tiny_model, spec, tmp_path / "whole", *extra)
     checkpoint = tmp_path / "resumed" / "checkpoint-3"
     shutil.copytree(tmp_path / "whole" / "checkpoint-3", checkpoint)  # stopped after step 3
-    resumed = _train(tiny_model, spec, tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
+    resumed = _train(tiny_model, spec, tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint), *extra)
     assert resumed["hyperparameters"]["max_steps"] == summary["hyperparameters"]["max_steps"] == 6
     whole = load_file(tmp_path / "whole" / "model.safetensors")
     again = load_file(tmp_path / "resumed" / "model.safetensors")
@@ -260,7 +433,12 @@ def test_a_resumed_mixed_run_ends_with_the_uninterrupted_runs_weights(tiny_model
     assert not torch.equal(start["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])  # it trained
     recorded = json.loads((tmp_path / "whole" / "training_summary.json").read_text())["data"]
     assert recorded["format"] == "prompt_completion+messages" and recorded["source"].startswith("mixture of")
-    sources = recorded["mixture"]["sources"]
-    assert [s["weight"] for s in sources] == [0.6, 0.4] and recorded["mixture"]["seed"] == 13
-    assert sum(s["rows_mixed"] for s in sources) == recorded["rows_kept"]["train"] == recorded["mixture"]["rows"]
+    mixture = recorded["mixture"]
+    sources = mixture["sources"]
+    assert mixture["strategy"] == resolved and mixture["strategy_option"] == (strategy or "auto")
+    assert [s["weight"] for s in sources] == ([None, None] if resolved == "concat" else [0.6, 0.4])
+    assert mixture["seed"] == 13
+    numbers = [0.6, 0.4] if weights[0] else [1, 1]
+    assert [s["rows_mixed"] for s in sources] == _expected_counts([20, 16], numbers, 13, resolved)
+    assert sum(s["rows_mixed"] for s in sources) == recorded["rows_kept"]["train"] == mixture["rows"]
     assert recorded == json.loads((tmp_path / "resumed" / "training_summary.json").read_text())["data"]

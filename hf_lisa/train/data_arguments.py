@@ -34,6 +34,16 @@ class DataArguments:
             "file). With neither train_file nor dataset_name, the bundled arithmetic task is used."
         },
     )
+    mix_strategy: str = field(
+        default="auto",
+        metadata={
+            "help": "How several --train_file sources mix: 'concat' (every row of every source once, shuffled; no "
+            "weights), 'first_exhausted' (draw by weight, stop when the first source runs out; rows may stay "
+            "unused), 'all_exhausted' (draw by weight until every source has given every row, re-using the rows of "
+            "the sources that run out), or 'auto': concat without weights, first_exhausted with them. LLaMA-Factory's "
+            "interleave_under / interleave_over are first_exhausted / all_exhausted."
+        },
+    )
     validation_file: Optional[str] = field(
         default=None, metadata={"help": "Local validation file, same format as train_file."}
     )

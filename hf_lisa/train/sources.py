@@ -9,10 +9,8 @@ mixed by weight.
 * **A folder** holds files of one format, read in name order; hidden files are ignored (:func:`folder_files`).
 * **A dataset** (``--dataset_name``): a Hub id or a local dataset folder, as ``datasets.load_dataset`` reads it, with
   ``--dataset_config`` and ``--dataset_split`` (:func:`load_named_dataset`).
-* **Mixing** (:func:`mixture_order`): each draw picks a source with probability its weight (a seeded generator) and
-  takes that source's next row (its rows in a seeded random order); the mixture stops at the first draw whose source
-  has no row left, as ``datasets.interleave_datasets(..., stopping_strategy="first_exhausted")``: no row is repeated,
-  and the proportions follow the weights.
+* **Mixing** (``--mix_strategy``): ``concat``, ``first_exhausted`` or ``all_exhausted``, in :mod:`.mixing`
+  (:func:`mixture_order`, :func:`resolve_mix_strategy`, re-exported here).
 
 :mod:`.training_data` puts these together for ``hf-lisa train``: each source loaded, checked and tokenised on its own,
 then mixed.
@@ -28,19 +26,26 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import UsageError
+from .mixing import (
+    MIX_STRATEGIES,
+    MIX_STRATEGY_ALIASES,
+    MIXTURE_RULE,
+    mixture_order,
+    resolve_mix_strategy,
+)
 from .validation import DataError, add_locations
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_TO_BUILDER = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-MIXTURE_RULE = "first_exhausted"  # the mixture ends when its first source runs out (no row repeated)
 VALIDATION_SPLITS = ("validation", "test")  # a dataset's own held-out split, in order of preference
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?|[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
 _ALLOWED = ", ".join(EXTENSION_TO_BUILDER)
 _HELD_OUT_NAMES = {"test", "validation", "valid", "val", "dev", "eval"}  # file names of a dataset's held-out splits
 
-__all__ = ["EXTENSION_TO_BUILDER", "MIXTURE_RULE", "SourceSpec", "builder_for", "folder_files", "load_named_dataset",
-           "mixture_order", "normalised_weights", "parse_sources"]
+__all__ = ["EXTENSION_TO_BUILDER", "MIXTURE_RULE", "MIX_STRATEGIES", "MIX_STRATEGY_ALIASES", "SourceSpec",
+           "builder_for", "folder_files", "load_named_dataset", "mixture_order", "normalised_weights", "parse_sources",
+           "resolve_mix_strategy"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class SourceSpec:
     path: str
     weight: float = 1.0
     option: str = "train_file"
+    weighted: bool = False  # the entry gave a weight (``--mix_strategy auto`` then interleaves)
 
     @property
     def label(self) -> str:
@@ -81,7 +87,7 @@ def _split_entry(entry: str, option: str) -> SourceSpec:
     if sep and _NUMBER.fullmatch(tail.strip()) and not os.path.exists(entry):
         if not head.strip():
             raise UsageError(f"--{option}: the entry {entry!r} has a weight but no path.")
-        return SourceSpec(head.strip(), _weight_of(tail.strip(), head.strip(), option), option)
+        return SourceSpec(head.strip(), _weight_of(tail.strip(), head.strip(), option), option, weighted=True)
     return SourceSpec(entry, 1.0, option)
 
 
@@ -102,7 +108,8 @@ def _entries(value: Any, option: str) -> list[SourceSpec]:
                 raise UsageError(f"--{option}: entry {i} ({item!r}) {problem}; allowed keys: path (a string), weight "
                                  "(a number > 0, default 1).")
             path = item["path"].strip()
-            specs.append(SourceSpec(path, _weight_of(item.get("weight", 1.0), path, option), option))
+            specs.append(SourceSpec(path, _weight_of(item.get("weight", 1.0), path, option), option,
+                                    weighted="weight" in item))
         else:
             raise UsageError(f"--{option}: entry {i} is {item!r}; allowed: a path or a mapping {{path, weight}}.")
     return specs
@@ -160,13 +167,15 @@ def _check_weight_sum(specs: Sequence[SourceSpec], option: str) -> None:
 
 
 def check_source_arguments(data_args) -> None:
-    """``--train_file`` (:func:`parse_sources`), ``--validation_file`` and ``--dataset_name`` /
-    ``--dataset_config`` / ``--dataset_split`` together, before anything is read (files are looked at when they load).
+    """``--train_file`` (:func:`parse_sources`), ``--mix_strategy`` (:func:`resolve_mix_strategy`),
+    ``--validation_file`` and ``--dataset_name`` / ``--dataset_config`` / ``--dataset_split`` together, before anything
+    is read (files are looked at when they load).
 
     Raises:
         UsageError: naming the option, the value and what is allowed.
     """
     specs = parse_sources(data_args.train_file) if data_args.train_file is not None else []
+    resolve_mix_strategy(getattr(data_args, "mix_strategy", "auto"), specs)
     for name in ("validation_file", "dataset_name", "dataset_config_name", "dataset_split"):
         value = getattr(data_args, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -403,42 +412,3 @@ def load_named_dataset(name: str, config: str | None = None, split: str = "train
         else loaded[original]
         for role, original in chosen.items()
     })
-
-
-# -- mixing ------------------------------------------------------------------------------------------------------------
-def mixture_order(sizes: Sequence[int], weights: Sequence[float], seed: int):
-    """The rows of a weighted mixture of sources with ``sizes`` rows, in order: ``(source, row)`` as two int64 arrays.
-
-    Each draw picks source ``i`` with probability ``weights[i] / sum(weights)`` and takes its next row; each source's
-    rows come in a random order; the mixture ends at the first draw whose source has no row left
-    (``MIXTURE_RULE``), so no row repeats and each source's share follows its weight. One
-    ``numpy.random.default_rng(seed)`` draws everything: the same sizes, weights and seed give the same mixture.
-
-    Example:
-        ```py
-        >>> source, row = mixture_order([100, 100], [0.7, 0.3], seed=0)
-        >>> len(source) == len(row) and (source == 0).sum() == 100  # the first source ran out first
-        True
-        ```
-    """
-    import numpy as np
-
-    if len(sizes) != len(weights) or not sizes or min(sizes) < 1:
-        raise ValueError(f"mixture_order needs one weight per non-empty source; got sizes {list(sizes)} and weights "
-                         f"{list(weights)}.")
-    probabilities = np.asarray(weights, dtype=np.float64)
-    probabilities = probabilities / probabilities.sum()
-    rng = np.random.default_rng(seed % 2**64)
-    orders = [rng.permutation(n) for n in sizes]
-    draws = rng.choice(len(sizes), size=sum(sizes) + 1, p=probabilities)  # one more than the rows: some source runs out
-    stop = len(draws)
-    for i, n in enumerate(sizes):
-        hits = np.flatnonzero(draws == i)
-        if len(hits) > n:
-            stop = min(stop, int(hits[n]))
-    source = draws[:stop].astype(np.int64)
-    row = np.empty(stop, dtype=np.int64)
-    for i in range(len(sizes)):
-        mine = source == i
-        row[mine] = orders[i][: int(mine.sum())]
-    return source, row

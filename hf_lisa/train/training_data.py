@@ -12,8 +12,9 @@ A *source* is one entry of ``--train_file`` (a file or a folder) or ``--dataset_
 * the format is detected (or checked against ``--data_format``) per source: a mixture may join a prompt/completion
   file and a chat folder; the files of one folder share one format.
 
-Several sources are mixed by :func:`.sources.mixture_order` (seeded by ``--seed``) into one ``Dataset``: the Trainer's
-sampler and its resume see a fixed list of rows, so a resumed run trains on exactly the rows of the uninterrupted one.
+Several sources are mixed by :func:`.mixing.mixture_order` (``--mix_strategy``, seeded by ``--seed``) into one
+``Dataset``: the Trainer's sampler and its resume see a fixed list of rows, so a resumed run trains on exactly the rows
+of the uninterrupted one.
 
 Example:
     ```py
@@ -34,8 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .mixing import MIXTURE_RULE, resolve_mix_strategy
 from .sources import (
-    MIXTURE_RULE,
     SourceSpec,
     check_source_paths,
     folder_files,
@@ -53,7 +54,7 @@ __all__ = ["Source", "TrainingData", "load_training_data"]
 TINY_VALIDATION = 10
 #: the fields of ``DataArguments`` that :func:`load_training_data` reads
 OPTIONS = ("train_file", "validation_file", "dataset_name", "dataset_config_name", "dataset_split",
-           "validation_split_percentage", "max_train_samples", "max_eval_samples")
+           "validation_split_percentage", "max_train_samples", "max_eval_samples", "mix_strategy")
 
 
 @dataclass
@@ -151,8 +152,10 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
                                 dataset_split=get("dataset_split", "train"), validation_split_percentage=percentage,
                                 seed=seed, cache_dir=cache_dir, line_numbers=True)
         sources = [Source(f"dataset_name={dataset_name!r}", 1.0, [dict(raw)], held_out=_held_out_of(raw))]
+        strategy = resolve_mix_strategy(get("mix_strategy", "auto"), [])
     elif train_file is not None:
         specs = parse_sources(train_file)
+        strategy = resolve_mix_strategy(get("mix_strategy", "auto"), specs)
         validation = SourceSpec(validation_file, option="validation_file") if validation_file is not None else None
         check_source_paths(specs, validation)  # every path, no file twice, before any file is read
         # one training file with its validation file: read as a pair, checked against each other (as ever)
@@ -185,7 +188,8 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
                            "says little. Pass --validation_file, or raise --validation_split_percentage.",
                            source.label, source.held_out, "" if source.held_out == 1 else "s", percentage)
     return TrainingData(sources, seed=seed, max_train_samples=get("max_train_samples"),
-                        max_eval_samples=get("max_eval_samples"))
+                        max_eval_samples=get("max_eval_samples"), strategy=strategy,
+                        strategy_option=get("mix_strategy", "auto"))
 
 
 def _row_keys(ds) -> list[int]:
@@ -289,6 +293,12 @@ def _merged(reports: list, data_format: str):
                                skipped={split: dict(reasons) for split, reasons in skipped.items()}, skipped_lines={})
 
 
+#: what each mixing rule does, for the log line of a mixture
+_RULE_WORDS = {
+    "concat": "every row of every source once, shuffled",
+    "first_exhausted": "drawn by weight until the first source runs out",
+    "all_exhausted": "drawn by weight until every source has given every row, re-using the rows of those that ran out",
+}
 #: a realised share is far from its weight when it differs by more than both of these (absolute, relative)
 SHARE_TOLERANCE = (0.05, 0.2)
 
@@ -309,8 +319,10 @@ def mixture_warning(sources: list[Source], sizes: list[int], drawn: list[int]) -
     proportional = ",".join(f"{source.path or source.label}:{size}" for source, size in zip(sources, sizes))
     return (f"The mixture draws {used} of its {total} training rows ({total - used} unused), with the shares "
             f"{listed}. It stops when its first source runs out ({', '.join(out) or 'none'} did; mixing rule "
-            f"{MIXTURE_RULE!r}, and hf-lisa has no option for another rule yet). To use every row, give weights "
-            f"proportional to the rows (--train_file '{proportional}'), or more rows to the source that runs out.")
+            f"{MIXTURE_RULE!r}). To use every row: --mix_strategy all_exhausted (draws by weight until every source "
+            "has given every row, re-using the rows of the sources that run out), --mix_strategy concat with the "
+            f"weights left out (every row once), weights proportional to the rows (--train_file '{proportional}'), "
+            "or more rows to the source that runs out.")
 
 
 class TrainingData:
@@ -318,8 +330,10 @@ class TrainingData:
     (:meth:`tokenize`)."""
 
     def __init__(self, sources: list[Source], seed: int = 42, max_train_samples: Optional[int] = None,
-                 max_eval_samples: Optional[int] = None) -> None:
+                 max_eval_samples: Optional[int] = None, strategy: str = MIXTURE_RULE,
+                 strategy_option: str = "auto") -> None:
         self.sources, self.seed, self.max_train_samples = sources, seed, max_train_samples
+        self.strategy, self.strategy_option = strategy, strategy_option  # resolved, and as --mix_strategy gave it
         self.held_out = sum(source.held_out for source in sources)  # before --max_eval_samples: never trained on
         for source in sources:
             source.parts = _cap(_cap(source.parts, "train", max_train_samples), "validation", max_eval_samples)
@@ -358,7 +372,8 @@ class TrainingData:
     def tokenize(self, tokenize: Callable[[Any], tuple]):
         """Tokenise every part on its own with ``tokenize`` (``raw DatasetDict -> (tokenized DatasetDict,
         TokenizationReport)``, e.g. :func:`.data.tokenize_datasets`), join each source's parts, mix the sources'
-        train splits (:func:`.sources.mixture_order`) and put their validation splits one after another.
+        train splits (:func:`.mixing.mixture_order`, ``--mix_strategy``) and put their validation splits one after
+        another.
 
         Returns:
             ``(DatasetDict, TokenizationReport)``: the report's ``kept`` counts the rows trained and evaluated,
@@ -404,33 +419,38 @@ class TrainingData:
             return sources[0].tokenized["train"]
         trains = [source.tokenized["train"] for source in sources]
         sizes = [len(ds) for ds in trains]
-        which, row = mixture_order(sizes, [source.weight for source in sources], self.seed)
+        which, row = mixture_order(sizes, [source.weight for source in sources], self.seed, self.strategy)
         drawn, full = len(which), which
         if self.max_train_samples:
             which, row = which[: self.max_train_samples], row[: self.max_train_samples]
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         mixed = datasets.concatenate_datasets(trains).select(offsets[which] + row)
         counts = np.bincount(which, minlength=len(sources))
+        weighted = self.strategy != "concat"  # concat takes no weights: every row once
         self.mixture = {
-            "rule": MIXTURE_RULE, "seed": self.seed, "rows": len(mixed), "rows_drawn": drawn,
+            "strategy": self.strategy, "strategy_option": self.strategy_option, "seed": self.seed,
+            "rows": len(mixed), "rows_drawn": drawn,
             "sources": [
-                {"source": source.label, "weight": round(source.weight, 6), "format": source.data_format,
-                 "rows_kept": dict(source.report.kept), "rows_skipped": dict(source.report.skipped),
-                 "rows_mixed": int(n), "proportion": round(float(n) / max(1, len(mixed)), 6)}
+                {"source": source.label, "weight": round(source.weight, 6) if weighted else None,
+                 "format": source.data_format, "rows_kept": dict(source.report.kept),
+                 "rows_skipped": dict(source.report.skipped), "rows_mixed": int(n),
+                 "proportion": round(float(n) / max(1, len(mixed)), 6)}
                 for source, n in zip(sources, counts)
             ],
         }
         width = max(len("source"), *(len(s["source"]) for s in self.mixture["sources"]))
         lines = [f"  {'source':<{width}}  {'weight':>6}  {'rows':>8}  {'mixed':>8}  {'share':>6}"] + [
-            f"  {s['source']:<{width}}  {s['weight']:>6.3f}  {s['rows_kept'].get('train', 0):>8,}  "
-            f"{s['rows_mixed']:>8,}  {s['proportion']:>6.3f}" for s in self.mixture["sources"]
+            f"  {s['source']:<{width}}  {'-' if s['weight'] is None else format(s['weight'], '.3f'):>6}  "
+            f"{s['rows_kept'].get('train', 0):>8,}  {s['rows_mixed']:>8,}  {s['proportion']:>6.3f}"
+            for s in self.mixture["sources"]
         ]
-        logger.info("Mixed %d sources into %d training rows (seed %d; the mixture stops when its first source runs "
-                    "out%s):\n%s", len(sources), len(mixed), self.seed,
-                    f", first {self.max_train_samples} kept" if len(mixed) < drawn else "", "\n".join(lines))
-        warning = mixture_warning(sources, sizes, np.bincount(full, minlength=len(sources)).tolist())
-        if warning:
-            logger.warning(warning)
+        logger.info("Mixed %d sources into %d training rows (seed %d; --mix_strategy %s: %s%s):\n%s", len(sources),
+                    len(mixed), self.seed, self.strategy, _RULE_WORDS[self.strategy],
+                    f"; first {self.max_train_samples} kept" if len(mixed) < drawn else "", "\n".join(lines))
+        if self.strategy == MIXTURE_RULE:
+            warning = mixture_warning(sources, sizes, np.bincount(full, minlength=len(sources)).tolist())
+            if warning:
+                logger.warning(warning)
         return mixed
 
     def as_raw(self, reader: str):
@@ -467,9 +487,10 @@ class TrainingData:
                 if "validation" in part]
 
     def summary(self) -> dict:
-        """What ``training_summary.json``'s ``data`` adds for a mixture: ``mixture`` (rule, seed, rows, and per source
-        its weight, format, rows kept and skipped, rows mixed, realised proportion) and a readable ``source``."""
+        """What ``training_summary.json``'s ``data`` adds for a mixture: ``mixture`` (strategy, seed, rows, and per
+        source its weight, format, rows kept and skipped, rows mixed, realised proportion) and a readable ``source``."""
         if not self.mixture:
             return {}
-        parts = ", ".join(f"{s['source']} ({s['weight']:.3g})" for s in self.mixture["sources"])
+        parts = ", ".join(s["source"] if s["weight"] is None else f"{s['source']} ({s['weight']:.3g})"
+                          for s in self.mixture["sources"])
         return {"source": f"mixture of {parts}", "mixture": self.mixture}
