@@ -174,19 +174,3 @@ def announce_bundled_task(n_train: int, main_process: bool = True) -> None:
     """Print :func:`bundled_task_notice` (once, on the main process)."""
     if main_process:
         print(bundled_task_notice(n_train), flush=True)
-
-
-def load_task_or_file(train_file: Optional[str] = None, n_train: int = 1000, n_validation: int = 32):
-    """Raw ``train``/``validation`` datasets: ``train_file`` (5% held out) when given, else the bundled task.
-
-    What the examples start from: a user's own file, or, without one, this module's arithmetic task.
-
-    Returns:
-        A ``datasets.DatasetDict``, as :func:`hf_lisa.train.data.load_raw_datasets` returns it.
-    """
-    from .train.data import load_raw_datasets
-
-    if train_file:
-        return load_raw_datasets(train_file=train_file, validation_split_percentage=5)
-    train, validation = cached_dataset_files(n_train, n_validation)
-    return load_raw_datasets(train_file=train, validation_file=validation)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import re
 from typing import Optional, Union
 
@@ -68,10 +69,8 @@ def _framework_versions() -> list[tuple[str, str]]:
         try:
             out.append((name, version(name)))
         except PackageNotFoundError:
-            if name == "hf-lisa":
-                from .. import __version__
-
-                out.append((name, __version__))
+            if name == "hf-lisa":  # a source tree on sys.path: the package, imported before this module, says it
+                out.append((name, sys.modules[__name__.split(".")[0]].__version__))
     return out
 
 
