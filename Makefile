@@ -71,6 +71,12 @@ check-peer-install:
 	.venv-compat/peer-install/bin/python -m pip install --quiet torch==$(TORCH_VERSION)
 	.venv-compat/peer-install/bin/python tests/compat/check_peer_install.py .venv-compat/peer-install/bin/python $(PEERS)
 
+# axolotl 0.19.0's real `axolotl train` with hf-lisa's plugin on CPU (tiny local llama, γ=1 of 4 blocks, K=2, 6 steps)
+# and its checks (tests/compat/axolotl_real_run.sh): builds .venv-compat/axolotl-real when missing (~5 min), ~45 s after
+.PHONY: test-axolotl
+test-axolotl:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash tests/compat/axolotl_real_run.sh
+
 # LISA vs LoRA vs full fine-tuning vs the naive callback, side by side on 2 CPU cores; benchmarks/README.md. The eval
 # loss at steps 0, 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method)
 bench: $(STAMP)

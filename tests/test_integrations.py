@@ -278,6 +278,35 @@ def test_axolotl_plugin_full_parameter_lisa_replaces_axolotls_callback(tmp_path)
     assert_full_lisa_trained_only_sampled_blocks(changed, callback, [n for n, _ in model.named_parameters()])
 
 
+def test_axolotl_plugin_says_it_replaces_axolotls_callback_where_axolotl_logs(tmp_path):
+    """axolotl's logging (axolotl/logging_config.py, 0.19.0): the ``axolotl`` logger at INFO with its own handler and
+    ``propagate: False``, the root logger at WARNING. The real ``axolotl train`` printed axolotl's "LISA will activate
+    1/4 layers" (its callback's constructor) but not the plugin's notice that it took that callback out: the notice
+    went to ``hf_lisa.*``, dropped at the root's WARNING."""
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    axolotl_logger, root = logging.getLogger("axolotl"), logging.getLogger()
+    saved = (axolotl_logger.level, axolotl_logger.propagate, root.level)
+    axolotl_logger.setLevel(logging.INFO), axolotl_logger.addHandler(handler), root.setLevel(logging.WARNING)
+    axolotl_logger.propagate = False
+    try:
+        cfg = {"lisa_n_layers": 1, "lisa_step_interval": 2}
+        model = build_tiny_llama(num_layers=NUM_BLOCKS)
+        trainer = Trainer(model=model, args=build_training_args(tmp_path, max_steps=1), train_dataset=TokenDataset(),
+                          callbacks=ax.LisaPlugin().add_callbacks_pre_trainer(cfg, model))
+        trainer.add_callback(LISACallback(model, n_layers=1, step_interval=2))
+        ax.LisaPlugin().post_trainer_create(cfg, trainer)
+    finally:
+        axolotl_logger.removeHandler(handler)
+        axolotl_logger.setLevel(saved[0]), root.setLevel(saved[2])
+        axolotl_logger.propagate = saved[1]
+    messages = [r.getMessage() for r in records]
+    assert any("replaces axolotl's LISACallback" in m and "γ=1, K=2" in m for m in messages), messages
+
+
 def test_axolotl_plugin_lisa_adapter_loads_a_lisa_config_and_trains_only_sampled_adapters(tmp_path):
     cfg = {"adapter": "lisa", "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"],
            "lisa_n_layers": 1, "lisa_step_interval": 2, "lisa_adapter": {"sparsity": 0.4, "mask_init": "magnitude"},

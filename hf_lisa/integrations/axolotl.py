@@ -33,6 +33,9 @@ from ..tuner.peft_type import PEFT_TYPE_LISA
 from .settings import always_trainable, check_settings, full_parameter_callback
 
 logger = logging.getLogger(__name__)
+#: what an axolotl user must see: axolotl's logging shows INFO only from loggers named ``axolotl*`` (others from WARNING
+#: on; axolotl/logging_config.py), and it prints "LISA will activate ..." when it builds the LISACallback taken out here
+notice = logging.getLogger("axolotl.integrations.hf_lisa")
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -228,12 +231,16 @@ class LisaPlugin(BasePlugin):
         that ours is in."""
         from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
+        ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (LisaCallback, LisaAdapterCallback))]
         for callback in list(trainer.callback_handler.callbacks):
             if _is_axolotl_lisa_callback(callback):
                 trainer.remove_callback(callback)
-                logger.info("hf-lisa's LISA plugin replaces axolotl's LISACallback.")
-        if lisa_form(cfg) is not None and not any(
-                isinstance(cb, (LisaCallback, LisaAdapterCallback)) for cb in trainer.callback_handler.callbacks):
+                settings = (f" (γ={ours[0].activated_layers}, K={ours[0].interval_steps})"
+                            if ours and isinstance(ours[0], LisaCallback) else "")
+                notice.info("hf-lisa's LISA plugin replaces axolotl's LISACallback: hf-lisa's %s runs the schedule%s; "
+                            "axolotl's 'LISA will activate ...' line above came from building the callback taken out.",
+                            type(ours[0]).__name__ if ours else "LisaCallback", settings)
+        if lisa_form(cfg) is not None and not ours:
             raise RunError("The LISA plugin's callback is not in the trainer: this axolotl trainer builder did not "
                            "call the plugins' add_callbacks_pre_trainer. Please report it with your axolotl version.")
 
