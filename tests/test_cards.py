@@ -221,7 +221,8 @@ def check_data_rows(method: str, runs, card_key: str = "") -> dict[str, str]:
     kept, skipped = summary["data"]["rows_kept"], summary["data"]["rows_skipped"]
     assert rows["Training data"] == "`train.jsonl`, prompt/completion rows"
     assert rows["Rows trained"] == str(kept["train"])
-    held_out = kept["validation"] + sum(skipped["validation"].values())
+    # rows held out from train are drawn after skipping (issue 33): a split-off validation set skips nothing itself
+    held_out = kept["validation"] + sum(skipped.get("validation", {}).values())
     if RUNS[method]["validation_file"]:
         assert kept == {"train": 24, "validation": 6}
         assert rows["Rows held out for evaluation"] == "6 (the validation file `validation.jsonl`)"
@@ -246,7 +247,10 @@ def check_settings(method: str, runs, card_key: str = "") -> dict[str, str]:
     assert "# model\n" not in card and "model_name: model\n" not in card
     settings = section(card, "Training configuration")
     rows = table_rows(settings)
-    assert rows["Method"] == f"{METHODS[method].title} (`{method}`)"
+    # a LISA adapter is titled by what it trains (issue 36), every other method by the registry's title
+    title = METHODS[method].title if method != "lisa-adapter" else (
+        "LISA adapters: sparse low-rank updates (sparsity 0.5), 1 block(s) trained at a time, re-sampled every 2 steps")
+    assert rows["Method"] == f"{title} (`{method}`)"
     assert "–" not in rows.values(), f"a setting without a value: {rows}"
     assert not [name for name in rows if name.startswith("LISA ")], rows
     return rows
@@ -301,7 +305,8 @@ def test_lora_type_card_loads_with_plain_peft_and_shows_no_lisa_setting(method, 
     settings = section(runs[method]["card"], "Training configuration")
     assert "sparsity" not in settings.lower() and "lisa" not in settings.lower() and "Mask" not in settings
     assert "Layer sampling" not in rows and "γ" not in settings
-    assert "| `q_proj`, `v_proj` | 4 | 8 | 2 |" in settings
+    # every linear layer, alpha = 2r: `hf-lisa train --method lora/dora`'s defaults (issue 37)
+    assert "| `down_proj`, `gate_proj`, `k_proj`, `o_proj`, `q_proj`, `up_proj`, `v_proj` | 4 | 8 | 2 |" in settings
     assert ("Weight decomposition" in rows) == (method == "dora")
 
 

@@ -377,7 +377,8 @@ ERRORS = [
     (["generate", "{model}", "--prompts", "{root}/list.jsonl", "--output", "o.jsonl"],
      "line 2: a JSON object is expected, got list"),
     (["generate", "{model}", "--prompts", "{root}/neither.jsonl", "--output", "o.jsonl"],
-     "line 2: a row needs exactly one of 'prompt' (a string) or 'messages' (a list); it has neither among ['text']"),
+     "line 2: a row needs exactly one of 'prompt' (a string) or 'messages' (a list), or an Alpaca 'instruction' or "
+     "ShareGPT 'conversations'; it has neither among ['text']"),
     (["generate", "{model}", "--prompts", "{root}/both.jsonl", "--output", "o.jsonl"], "it has ['prompt', 'messages']"),
     (["generate", "{model}", "--prompts", "{root}/number.jsonl", "--output", "o.jsonl"], "'prompt' must be a string"),
     (["generate", "{model}", "--prompts", "{root}/assistant_last.jsonl", "--output", "o.jsonl"],

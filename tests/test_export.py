@@ -584,5 +584,5 @@ def test_export_never_runs_a_tokenizers_own_code(base, dense, tmp_path, capsys):
     assert not marker.exists()
     # transformers 5.x loads tokenizer.json with its own class and ignores the auto_map; a version that insists on
     # the custom class gets the refusal, by name, with nothing written
-    assert status == 0 or (status == 2 and "needs its own Python code" in err and str(custom) in err
+    assert status == 0 or (status == 2 and "needs its own Python code to load" in err and str(custom) in err
                            and not (tmp_path / "out").exists())

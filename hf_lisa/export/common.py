@@ -375,9 +375,9 @@ def load_tokenizer(*sources: Optional[str]):
             return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
         except (OSError, ValueError) as exc:
             if "trust_remote_code" in str(exc) or "custom code" in str(exc):
-                raise UsageError(f"the tokenizer in {source} needs its own Python code (an auto_map in its config); "
-                                 "hf-lisa never runs code that comes with a model. Export with a tokenizer that "
-                                 "transformers provides.") from None
+                raise UsageError(f"the tokenizer of {source!r} needs its own Python code to load ('auto_map' in its "
+                                 "tokenizer_config.json); hf-lisa never runs a model's code: save a tokenizer that "
+                                 "transformers implements beside the model.") from None
             logger.info("No tokenizer from %s (%s).", source, exc)
     return None
 
