@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast test-compat check-peer-install lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value
+.PHONY: install demo test test-distributed test-fast test-compat check-peer-install lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value bench-study bench-study-memory
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,16 @@ bench-fair-lr: $(STAMP)
 # instruction and classification tasks, best of 3 learning rates, 3 seeds, 30 steps: ~80 min on 2 CPU cores
 bench-value: $(STAMP)
 	$(PY) benchmarks/value.py --preset cpu
+
+# the study of issue 37 (benchmarks/study.py, public API only): T=300 on the instruction task, each method's grid
+# extended until its best rate is interior, 4 reported seeds with 95% intervals, diagnostics; ~7 CPU-hours on 2 cores.
+# Results are appended run by run to benchmarks/results/study/study-cpu.jsonl: rerun to continue; the report is
+# rewritten at the end (or with --report). `make bench-study-memory`: the 1024-token memory table.
+bench-study: $(STAMP)
+	$(PY) benchmarks/study.py --preset cpu
+
+bench-study-memory: $(STAMP)
+	$(PY) benchmarks/study.py --preset cpu --memory
 
 # peak memory and s/step of full, LoRA and LISA over SmolLM2-135M/360M/1.7B shapes x rows of 128/512/2048 tokens, one
 # process per cell, cells too big for the machine recorded, not run: 2.7 h on 2 CPU cores (the 135M and 360M cells
