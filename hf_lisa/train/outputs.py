@@ -119,10 +119,15 @@ def start_notes(training_args, held_out: int = 0, validation_split_percentage: f
     return notes
 
 
+def _active_adapter_config(model):
+    """The PEFT config of ``model``'s active adapter, or ``None`` for a model without adapters."""
+    configs = getattr(model, "peft_config", None) or {}
+    return configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
+
+
 def _what_trains(model) -> str:
     """`` (LISA adapters: ...)`` for a LISA adapter, naming what it trains (the same words as its card); else ``""``."""
-    configs = getattr(model, "peft_config", None) or {}
-    config = configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
+    config = _active_adapter_config(model)
     peft_type = str(getattr(config, "peft_type", "")).upper().split(".")[-1]
     if peft_type == "LORA":  # the defaults (all-linear, α = 2r) are said where they take effect
         targets = config.target_modules
@@ -139,8 +144,7 @@ def _what_trains(model) -> str:
 def _sparse_costs(model) -> list[str]:
     """What a sparse LISA adapter costs beyond LoRA, said before the first step (issue 36: a calibration step of
     minutes under load came unannounced)."""
-    configs = getattr(model, "peft_config", None) or {}
-    config = configs.get(getattr(model, "active_adapter", None)) if isinstance(configs, dict) else None
+    config = _active_adapter_config(model)
     if config is None or not (getattr(config, "sparsity", 0) or any((getattr(config, "sparsity_pattern", None)
                                                                       or {}).values())):
         return []
