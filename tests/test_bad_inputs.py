@@ -25,6 +25,7 @@ item  tests
 10    ``test_silent_inputs.py::test_ctrl_c_does_not_parse_or_read_the_files_again``; rows ``chat_template-fifo``,
       ``chat_template-device``, ``chat_template-too-large``, ``yaml-config-file-fifo``
 11    ``test_silent_inputs.py::test_an_overlength_row_drawn_for_validation_is_replaced_by_a_kept_row``
+      (``--stage dpo``: ``test_dpo_heldout.py``, every test)
 12    rows ``train_file-weights-overflow``, ``dataset_name-is-a-model-folder``; ``test_silent_inputs.py`` (templates);
       ``test_serving_safety.py`` (prompts and chat input not UTF-8, full disk, pickles, custom code, bad bases);
       ``test_run_races.py`` (read-only target and full disk before and during a save)

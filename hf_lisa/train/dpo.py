@@ -29,7 +29,7 @@ from trl import DPOConfig, DPOTrainer
 from ..errors import UsageError
 from ..methods import get_method
 from .output_dir import LisaTrainingArguments
-from .preference import apply_length_policy
+from .preference import apply_length_policy, hold_out_after_skipping
 from .trainer import LisaTrainer
 from .validation import LINE_COLUMN
 
@@ -141,22 +141,35 @@ def _datasets_cache(enabled: bool):
 
 
 def dpo_trainer(model, ref_model, training_args, data_args, lisa_args, rows, tokenizer, report, callbacks,
-                **trainer_kwargs) -> LisaDPOTrainer:
+                held_out: int = 0, **trainer_kwargs) -> LisaDPOTrainer:
     """The run's :class:`LisaDPOTrainer` on the preference ``rows`` (:func:`~.preference.preference_datasets`):
     TRL tokenises them, then ``--overlength`` applies (:func:`~.preference.apply_length_policy`, counted in
-    ``report``). ``trainer_kwargs``: ``LisaTrainer``'s options."""
+    ``report``). ``held_out > 0``: the validation rows were held out of the training rows, and are drawn again after
+    skipping (:func:`~.preference.hold_out_after_skipping`). ``trainer_kwargs``: ``LisaTrainer``'s options."""
     config = dpo_config(training_args, beta=lisa_args.dpo_beta, max_seq_length=data_args.max_seq_length,
                         num_proc=data_args.preprocessing_num_workers)
+    validation = rows.get("validation")
+    emptied = validation is not None and len(validation) == 0  # every held-out pair was a bad row
     with _datasets_cache(not data_args.overwrite_cache):
         trainer = LisaDPOTrainer(
             model=model, ref_model=ref_model, args=config, train_dataset=rows["train"],
-            eval_dataset=rows.get("validation"), processing_class=tokenizer, callbacks=callbacks,
+            # TRL cannot prepare an empty dataset: one training pair stands in until the held-out pairs are drawn
+            eval_dataset=rows["train"].select(range(1)) if emptied else validation,
+            processing_class=tokenizer, callbacks=callbacks,
             **{**trainer_kwargs, "chunked_loss": False},  # TRL's fused LM head already works a tile at a time
         )
-    for split, attribute in (("train", "train_dataset"), ("validation", "eval_dataset")):
-        if split in rows:
-            setattr(trainer, attribute, apply_length_policy(
-                getattr(trainer, attribute), rows[split][LINE_COLUMN], rows[split], split, data_args.max_seq_length,
-                data_args.overlength, report,
-            ))
+    trainer.train_dataset = apply_length_policy(
+        trainer.train_dataset, rows["train"][LINE_COLUMN], rows["train"], "train", data_args.max_seq_length,
+        data_args.overlength, report,
+    )
+    if validation is None:
+        return trainer
+    kept = None if emptied else apply_length_policy(
+        trainer.eval_dataset, validation[LINE_COLUMN], validation, "validation", data_args.max_seq_length,
+        data_args.overlength, report, required=not held_out,
+    )
+    if held_out:
+        trainer.train_dataset, kept = hold_out_after_skipping(
+            trainer.train_dataset, kept, rows, config.seed, report, data_args.validation_split_percentage)
+    trainer.eval_dataset = kept
     return trainer

@@ -17,7 +17,9 @@ Checked before the model loads (:func:`check_preference_data`): the columns of e
 columns found and those needed. Row by row (:func:`preference_datasets`): a missing, empty or non-string field, a bad
 message, no shared prompt turn, no assistant turn in a response, or a chosen response equal to the rejected one is
 skipped and counted (``--on_bad_row skip``) or an error naming the file and line (``error``). Once TRL has tokenised
-the rows, :func:`apply_length_policy` applies ``--overlength`` to ``--max_seq_length`` (TRL's ``max_length``).
+the rows, :func:`apply_length_policy` applies ``--overlength`` to ``--max_seq_length`` (TRL's ``max_length``). Pairs
+held out of the training rows for evaluation (``--validation_split_percentage``) are drawn after skipping, as SFT's
+rows are: a skipped held-out pair is replaced by a kept training pair (:func:`hold_out_after_skipping`).
 """
 
 from __future__ import annotations
@@ -296,16 +298,17 @@ def _skips(split: str, source, reasons: Counter, every_line: dict, report) -> No
                        skip_table(reasons, lines, unit_of(source)))
 
 
-def preference_datasets(raw, tokenizer, data_args):
+def preference_datasets(raw, tokenizer, data_args, held_out: int = 0):
     """Check and convert every split's rows for TRL's ``DPOTrainer`` (:func:`preference_row`), dropping and counting
-    the rows it cannot train on.
+    the rows it cannot train on. ``held_out``: the validation rows were held out of the training rows (``> 0``); then
+    a validation split left empty is kept (:func:`hold_out_after_skipping` refills it from the training pairs).
 
     Returns:
         ``(DatasetDict of prompt/chosen/rejected rows with LINE_COLUMN, TokenizationReport)``.
 
     Raises:
         DataError: chat-message rows without a chat template, a bad row with ``--on_bad_row error``, or a split where
-            every row was skipped.
+            every row was skipped (but a held-out validation split).
     """
     import datasets
 
@@ -334,7 +337,7 @@ def preference_datasets(raw, tokenizer, data_args):
                 every_line.setdefault(why, []).append(line)
         kept = mapped.filter(lambda why: not why, input_columns=[SKIP], desc=f"Dropping skipped {split} rows")
         _skips(split, ds, reasons, every_line, report)
-        if len(kept) == 0:
+        if len(kept) == 0 and not (held_out and split == "validation"):
             raise DataError(f"Every row of the {split} split was skipped ({source_of(ds)}: {dict(reasons)}). Check "
                             "the columns (--prompt_column, --chosen_column, --rejected_column).")
         converted[split] = kept.remove_columns([SKIP])
@@ -343,9 +346,11 @@ def preference_datasets(raw, tokenizer, data_args):
 
 
 # -- lengths, once TRL has tokenised the rows --------------------------------------------------------------------------
-def apply_length_policy(prepared, lines: list, source, split: str, max_seq_length: int, overlength: str, report):
+def apply_length_policy(prepared, lines: list, source, split: str, max_seq_length: int, overlength: str, report,
+                        required: bool = True):
     """``--overlength`` on the rows TRL tokenised (``prompt_ids``, ``chosen_ids``, ``rejected_ids``), returning the rows
-    to train on, without ``LINE_COLUMN``.
+    to train on, without ``LINE_COLUMN``. ``required=False``: a split left empty is returned (a held-out split that
+    :func:`hold_out_after_skipping` refills).
 
     A pair is too long when its prompt and its longer response exceed ``max_seq_length`` tokens: ``skip`` drops and
     counts it, ``error`` stops naming it, ``truncate`` keeps it (TRL's collator keeps the first ``max_seq_length``
@@ -353,7 +358,7 @@ def apply_length_policy(prepared, lines: list, source, split: str, max_seq_lengt
     given, tells which): counted (``skip``/``truncate``) or an error (``error``).
 
     Raises:
-        DataError: a row too long with ``error``, or a split where every row was skipped.
+        DataError: a row too long with ``error``, or a ``required`` split where every row was skipped.
     """
     dropped = sorted((Counter(lines) - Counter(prepared[LINE_COLUMN])).elements())
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in
@@ -376,8 +381,56 @@ def apply_length_policy(prepared, lines: list, source, split: str, max_seq_lengt
         drop = set(too_long)
         prepared = prepared.select([i for i in range(len(prepared)) if i not in drop])
     _skips(split, source, reasons, every_line, report)
-    if len(prepared) == 0:
+    if len(prepared) == 0 and required:
         raise DataError(f"Every row of the {split} split was skipped ({source_of(source)}: "
                         f"{dict(report.skipped.get(split, {}))}). Check --max_seq_length.")
     report.kept[split] = len(prepared)
     return prepared.remove_columns([LINE_COLUMN])
+
+
+# -- the held-out pairs, drawn after skipping --------------------------------------------------------------------------
+def hold_out_after_skipping(train, validation, rows, seed: int, report, percentage: float):
+    """The pairs held out for evaluation (out of the training pairs, ``--validation_split_percentage``) drawn *after*
+    skipping, as the SFT path holds out its rows (issue 33, item 11): the ``given`` held-out pairs that were skipped
+    (bad, or too long) are replaced by kept training pairs (drawn with ``seed``, so every run and a resumed one
+    evaluate on the same pairs; one pair always stays to train), and their skips are counted as training rows of the
+    source. ``train``/``validation``: the tokenised pairs kept (``validation`` ``None`` when none was) of the
+    converted ``rows`` (:func:`preference_datasets`). Returns ``(train, validation)``; nothing skipped: the splits as
+    they are.
+
+    Raises:
+        DataError: every held-out pair skipped and no training pair left to take their place.
+    """
+    import datasets
+    import numpy as np
+
+    source, kept = rows["validation"], 0 if validation is None else len(validation)
+    short = report.total_skipped("validation")  # every held-out pair was kept or skipped
+    given = kept + short
+    for why, n in report.skipped.pop("validation", {}).items():  # held out after skipping: rows of the source
+        report.skipped.setdefault("train", {})[why] = report.skipped.get("train", {}).get(why, 0) + n
+    lines = report.skipped_lines.pop("validation", {})
+    if lines and location_of(source) == location_of(rows["train"]):  # the same numbers (a folder's differ)
+        shown = report.skipped_lines.setdefault("train", {})
+        for why, found in lines.items():
+            shown[why] = heapq.nsmallest(SKIP_EXAMPLES, shown.get(why, []) + found)
+    if short > 0:
+        take = min(short, max(0, len(train) - 1))
+        if kept + take == 0:
+            raise DataError(
+                f"Every pair held out for evaluation ({given} of {source_of(source)}, "
+                f"--validation_split_percentage={percentage:g}) was skipped, and no training pair is left to take "
+                f"their place ({len(train)} kept). Check --max_seq_length and the rows, pass --validation_file, or "
+                "--validation_split_percentage 0 to train without evaluation."
+            )
+        moved = np.sort(np.random.default_rng(seed % 2**64).choice(len(train), size=take, replace=False))
+        logger.warning("%s: %d of the %d pairs held out for evaluation were skipped; %d of its training pairs are "
+                       "held out in their place (the held-out pairs are drawn from the pairs kept).",
+                       source_of(source), short, given, take)
+        rest = np.setdiff1d(np.arange(len(train)), moved)
+        replacement = train.select(moved)
+        validation = replacement if validation is None or kept == 0 else \
+            datasets.concatenate_datasets([replacement, validation])
+        train = train.select(rest)
+    report.kept.update(train=len(train), validation=len(validation))
+    return train, validation

@@ -244,7 +244,7 @@ class _Run:
 
         data_args, lisa_args, training_args = self.data_args, self.lisa_args, self.training_args
         with training_args.main_process_first(desc="checking the preference rows"):
-            rows, self.report = preference_datasets(self.raw, self.tokenizer, data_args)
+            rows, self.report = preference_datasets(self.raw, self.tokenizer, data_args, self.held_out)
         self.chat, self.packing, self.gen_rows = False, None, []
         self.ref_model = reference_model(model, lisa_args.method)  # before apply_method and any step
         model = prepare_quantized_model(model, training_args)
@@ -280,7 +280,7 @@ class _Run:
             from .dpo import dpo_trainer
 
             trainer = dpo_trainer(model, self.ref_model, training_args, self.data_args, lisa_args, tokenized,
-                                  self.tokenizer, self.report, callbacks, **options)
+                                  self.tokenizer, self.report, callbacks, self.held_out, **options)
             self.eval_dataset = trainer.eval_dataset
         else:
             self.eval_dataset = eval_dataset = tokenized.get("validation")
