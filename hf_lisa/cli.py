@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import re
 import signal
 import sys
 import warnings
@@ -100,10 +101,14 @@ def config_reference(fmt: str = "markdown") -> str:
     """
     import dataclasses
 
+    from .option_aliases import ALIASES, help_note
     from .train import ARGUMENT_CLASSES, METHOD_NAMES
     from .train.options import OPTION_METHODS
 
-    lines = []
+    def flags(text: str) -> str:  # `--lora_r` in markdown, as the option column spells options
+        return re.sub(r"(--\w+)", r"`\1`", text) if fmt == "markdown" else text
+
+    lines, options = [], set()
     for cls in ARGUMENT_CLASSES:
         if fmt == "markdown":
             doc = (cls.__doc__ or "").strip()
@@ -115,6 +120,8 @@ def config_reference(fmt: str = "markdown") -> str:
             help_text = f.metadata.get("help", "")
             if OPTION_METHODS.get(f.name, METHOD_NAMES) != METHOD_NAMES:
                 help_text += f" Methods: {', '.join(OPTION_METHODS[f.name])}."
+            help_text += flags(help_note(f.name))  # the peers' names (hf_lisa.option_aliases)
+            options.add(f.name)
             if fmt == "markdown":
                 cell = help_text.replace("|", "\\|")
                 lines.append(f"| `--{f.name}` | `{default!r}` | {cell} |")
@@ -127,6 +134,10 @@ def config_reference(fmt: str = "markdown") -> str:
         "`--gradient_checkpointing`, `--report_to`, `--push_to_hub`, `--hub_model_id`, ...); see the transformers "
         "documentation of `TrainingArguments`."
     )
+    theirs = [f"--{alias} ({tools}) for --{option}" for alias, (option, tools) in ALIASES.items()
+              if option not in options]
+    if theirs:  # the peers' names of TrainingArguments flags
+        note += flags(f" Also accepted: {', '.join(theirs)}.")
     lines.append(f"### `TrainingArguments`\n\n{note}" if fmt == "markdown" else f"TrainingArguments: {note}")
     return "\n".join(lines).rstrip() + "\n"
 

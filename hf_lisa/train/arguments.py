@@ -25,7 +25,8 @@ from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from .data_arguments import DataArguments, check_data_arguments
 from .preference import check_stage_options
 from ..optim.memory import check_memory_options, memory_fields
-from .options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS, check_method_options, resolve_method_defaults, uses
+from .options import (_NOT_OPTIONS, LISA_CONFIG_OPTIONS, HelpFormatter, check_method_options, group_help,
+                      resolve_method_defaults, uses)
 from .quantization import check_quantization, quantization_fields
 
 logger = logging.getLogger("hf_lisa.train")
@@ -296,7 +297,9 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
         usage="hf-lisa train [CONFIG.yaml|CONFIG.json] [--option value ...]",
         description="Fine-tune a causal LM with LISA, LoRA, DoRA or full fine-tuning. A config file's values are the "
         "defaults; command-line options override them. `hf-lisa config-reference` lists every option.",
+        formatter_class=HelpFormatter,
     )
+    group_help(parser)  # --help in titled groups: model, data, method, training, output, Hub
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}  # YAML null keeps the default
     unknown = sorted(set(defaults) - _known_fields())
     if unknown:

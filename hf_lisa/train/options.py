@@ -5,11 +5,15 @@ does not use is refused.
 An option is *given* when it was typed: named on the command line or a key of the config file (with a value: YAML
 ``null`` means "not set"), whatever its value, so ``--method lora --lisa_activated_layers 2`` is refused as ``3`` is.
 Arguments built in Python, where nothing was typed, count an option as given when its value differs from its default
-(:func:`given_options`)."""
+(:func:`given_options`).
+
+It also says where each option prints in ``hf-lisa train --help`` (:data:`OPTION_GROUPS`, :func:`group_help`)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import textwrap
 from typing import Any, Collection, Optional
 
 from ..errors import UsageError
@@ -119,3 +123,82 @@ def check_method_options(lisa_args, typed: Optional[Collection[str]] = None) -> 
         f"--method {method} does not use {listed}; {its}, besides those every method takes. Remove the option(s), "
         "or choose a method that uses them."
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --help: the titled groups (issue 36), from one mapping option -> group
+# ----------------------------------------------------------------------------------------------------------------------
+#: the groups of ``hf-lisa train --help``, in their order: title -> what the group holds
+HELP_GROUPS: dict[str, str] = {
+    "model": "Which model to fine-tune and how to load it.",
+    "data": "Where the training data comes from, how it becomes tokens, and how validation rows are scored.",
+    "method": "The fine-tuning method and its settings: LISA's layer schedule, the adapters' rank and targets, the "
+    "sparse masks. 'Methods:' names the methods that use an option; the others refuse it.",
+    "training": "The optimisation: transformers' TrainingArguments (batch, steps, learning rate, precision, logging, "
+    "evaluation, engines), then hf-lisa's memory, monitoring and distributed options.",
+    "output": "Where the run writes, which checkpoints it saves and keeps, and resuming.",
+    "Hub": "Pushing the result to the Hugging Face Hub.",
+}
+
+#: every option of hf-lisa's own dataclasses -> its group (tests/test_help_groups.py fails for one missing here);
+#: transformers' TrainingArguments are 'training' unless named here or by :func:`option_group`'s prefixes
+OPTION_GROUPS: dict[str, str] = {
+    **dict.fromkeys((
+        "model_name_or_path", "tokenizer_name", "base_model_id", "torch_dtype", "attn_implementation",
+        "trust_remote_code", "model_revision", "cache_dir", "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type",
+        "bnb_4bit_compute_dtype", "use_bnb_nested_quant"), "model"),
+    **dict.fromkeys((
+        "dataset_name", "dataset_config_name", "dataset_split", "train_file", "mix_strategy", "validation_file",
+        "validation_split_percentage", "max_seq_length", "data_format", "prompt_column", "completion_column",
+        "messages_column", "text_column", "completion_only_loss", "chat_template", "overlength", "on_bad_row",
+        "packing", "chosen_column", "rejected_column", "max_train_samples", "max_eval_samples",
+        "preprocessing_num_workers", "overwrite_cache", "eval_generation_samples", "generation_max_new_tokens",
+        "answer_pattern", "answer_lenient", "demo_train_samples"), "data"),
+    **dict.fromkeys(("method", "stage", "dpo_beta", "lisa_always_trainable", "lisa_optimizer_state_policy",
+                     *LISA_CONFIG_OPTIONS), "method"),
+    **dict.fromkeys((
+        "layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
+        "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "optim_step_in_backward", "optim_8bit_embeddings",
+        "cpu_allocator", "chunked_loss"), "training"),
+    **dict.fromkeys((
+        "output_dir", "overwrite_output_dir", "delete_foreign_files", "keep_checkpoints", "enable_jit_checkpoint",
+        "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "resume_from_checkpoint",
+        "ignore_data_skip", "restore_callback_states_from_checkpoint"), "output"),
+    **dict.fromkeys(("push_to_hub", "push_mode"), "Hub"),
+}
+#: hf-lisa's own options in the groups of transformers' TrainingArguments: printed after transformers' own
+_ADDED_TO_THEIRS = frozenset(name for name, group in OPTION_GROUPS.items()
+                             if group in ("training", "Hub") and name != "push_to_hub")
+
+
+def option_group(name: str) -> str:
+    """The ``--help`` group of option ``name``: :data:`OPTION_GROUPS`'s, else by transformers' prefixes (``save_*`` is
+    output, ``hub_*`` the Hub), else training."""
+    if name in OPTION_GROUPS:
+        return OPTION_GROUPS[name]
+    return "output" if name.startswith("save_") else "Hub" if name.startswith("hub_") else "training"
+
+
+def group_help(parser: argparse.ArgumentParser) -> None:
+    """Print the options of ``parser`` (``hf-lisa train``'s) under the titles of :data:`HELP_GROUPS`, in the parser's
+    order (transformers' first in their groups); argparse's own group keeps ``--help``. Parsing is unchanged: argparse
+    parses from the parser's actions, the groups only print them."""
+    flat = parser._optionals
+    groups = {title: parser.add_argument_group(title, text)._group_actions for title, text in HELP_GROUPS.items()}
+    for action in [a for a in flat._group_actions if a.option_strings and a.dest != "help"]:
+        flat._group_actions.remove(action)
+        groups[option_group(action.dest)].append(action)
+    for actions in groups.values():
+        actions.sort(key=lambda action: action.dest in _ADDED_TO_THEIRS)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """transformers' formatter (each option's default shown) without line breaks at hyphens, so a name such as
+    ``--lora_dropout (LLaMA-Factory, ...)`` stays whole on its line and can be searched for."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
