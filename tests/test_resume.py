@@ -14,6 +14,8 @@ from peft import get_peft_model
 from safetensors.torch import load_file
 from transformers import Trainer
 
+from conftest import build_training_args
+
 import hf_lisa
 from hf_lisa.tuner.layer import LisaLayer
 from hf_lisa.scheduler import SCHEDULER_STATE_VERSION
@@ -131,6 +133,39 @@ def test_adapter_resume_mid_importance_window_matches_uninterrupted_run(
         assert torch.equal(masks_a[name], masks_b[name]), name
     for name in weights_a:
         assert torch.equal(weights_a[name], weights_b[name]), name
+
+
+def test_resume_from_a_folder_outside_output_dir_is_found_through_the_arguments_never_guessed(
+    tiny_llama, token_dataset, training_args, tmp_path
+):
+    # issue 34: the callbacks no longer read train()'s argument out of the training loop's stack frame. A folder
+    # outside output_dir is found through TrainingArguments(resume_from_checkpoint=...); without it, the same-step
+    # checkpoint of another run in output_dir is refused by its save id (before: it was not looked at at all)
+    def trainer(args, seed):
+        return Trainer(model=tiny_llama(seed=0), args=args, train_dataset=token_dataset(),
+                       callbacks=[LisaCallback(activated_layers=1, interval_steps=3, seed=seed)])
+
+    run_a = trainer(training_args(max_steps=4, save_strategy="steps", save_steps=2), seed=1)
+    run_a.train()
+    moved = str(tmp_path / "elsewhere" / "checkpoint-2")
+    shutil.copytree(os.path.join(run_a.args.output_dir, "checkpoint-2"), moved)
+
+    other = build_training_args(tmp_path / "run-b", max_steps=4, save_strategy="steps", save_steps=2)
+    trainer(other, seed=2).train()  # run B: its own checkpoint-2 with another schedule
+    with pytest.raises(RuntimeError, match=r"none of .*run-b/checkpoint-2/lisa_state.safetensors.*\(resume_from_checkpoint="):
+        trainer(other, seed=1).train(resume_from_checkpoint=moved)
+
+    resumed = trainer(build_training_args(tmp_path / "run-b", max_steps=4, save_strategy="no",
+                                          resume_from_checkpoint=moved), seed=1)
+    resumed.train(resume_from_checkpoint=moved)
+    expected = run_a.model.state_dict()
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+    shutil.rmtree(str(tmp_path / "run-b"))
+    with pytest.raises(FileNotFoundError, match=r"run-b/checkpoint-2/lisa_state.safetensors: .* is missing.*"
+                                                r"TrainingArguments\(resume_from_checkpoint"):
+        trainer(other, seed=1).train(resume_from_checkpoint=moved)
 
 
 def test_resume_refuses_a_missing_or_older_schedule_with_a_clear_error(tiny_llama, token_dataset, training_args):

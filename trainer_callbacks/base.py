@@ -15,6 +15,7 @@ from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
 from hf_lisa.optim.state import optimizer_state_bytes
 from hf_lisa.optim.in_backward import steps_in_backward
 
+from .gradients import PenaltyGradient, WithheldGradients
 from .progress import add_progress_guard
 from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size
 from .state import ScheduleCheckpoint
@@ -33,6 +34,8 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
         self._pending_logs: dict[str, Any] = {}
         self._warned_stray = False
         self._gradients_completed = False  # complete_lisa_gradients() ran in this optimizer step
+        self._withheld_gradients: Optional[WithheldGradients] = None
+        self._penalty_gradient: Optional[PenaltyGradient] = None
 
     # -- logging -------------------------------------------------------------------------------------------------------
     def _log_values(self, optimizer) -> dict[str, Any]:
@@ -99,22 +102,55 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
             )
 
     # -- the step ------------------------------------------------------------------------------------------------------
+    def _install_gradient_hooks(self, optimizer, penalty_terms=()) -> None:
+        """Call at the end of ``on_train_begin``: the tensor hooks that make the step's gradient edits inside the
+        backward pass (:mod:`.gradients`), on every candidate of the schedules and every ``β`` of the penalty."""
+        self._remove_gradient_hooks()
+        params = []
+        if self.layer_scheduler is not None:
+            params += self.layer_scheduler.candidates
+        if self.mask_scheduler is not None:
+            params += self.mask_scheduler.factors()
+        self._withheld_gradients = WithheldGradients(params)
+        self._penalty_gradient = PenaltyGradient(penalty_terms, optimizer) if penalty_terms else None
+
+    def _remove_gradient_hooks(self) -> None:
+        for hooks in (self._withheld_gradients, self._penalty_gradient):
+            if hooks is not None:
+                hooks.remove()
+        self._withheld_gradients = self._penalty_gradient = None
+
     def _begin_step(self) -> None:
         """Call first in ``on_step_begin``: the step's gradients are not complete yet."""
         self._gradients_completed = False
 
-    def complete_lisa_gradients(self, optimizer) -> None:
-        """What the schedule does to a step's gradients once they are complete, before anything reads them.
+    def _arm_gradient_hooks(self) -> None:
+        """Call last in ``on_step_begin``, once the schedule has decided what trains in this step (calibration passes
+        before it are not edited): the backward passes of the step's micro-batches make the step's edits."""
+        if self._withheld_gradients is not None:
+            withheld = [] if self.layer_scheduler is None else self.layer_scheduler.frozen_candidates()
+            if self.mask_scheduler is not None:
+                withheld += self.mask_scheduler.factors(withheld=True)
+            self._withheld_gradients.arm(withheld)
+        if self._penalty_gradient is not None:
+            self._penalty_gradient.arm()
 
-        Drops gradients that reached frozen parameters, folds the step's mask importance and withholds the update of
-        layers calibrating in training, and adds the interpolation penalty's gradient: so the Trainer's gradient
-        clipping and its logged ``grad_norm`` see exactly the gradients the optimizer applies. Runs once per optimizer
-        step: from the Trainer's ``_clip_grad_norm``/``_get_grad_norm`` (wrapped by :func:`.setup.configure_trainer`;
-        the gradients are then complete: every micro-batch, all-reduced under DDP), else at ``on_pre_optimizer_step``.
+    def complete_lisa_gradients(self, optimizer) -> None:
+        """What the schedule does to a step's gradients once they are complete, before the optimizer applies them.
+
+        The backward passes already zeroed the gradients the step withholds and added the interpolation penalty's
+        (:mod:`.gradients`), so the Trainer's clip and its logged ``grad_norm`` saw exactly what is applied. Here,
+        once per optimizer step (``on_pre_optimizer_step``): the withheld gradients become ``None`` (the optimizer
+        skips them: no momentum, no weight decay), the step's mask importance is folded, and what no backward pass
+        reached is done now (the penalty of a ``β`` outside this step's graph; parameters whose gradient bypasses
+        autograd's accumulation, e.g. FSDP2's shards).
         """
         if self._gradients_completed:
             return
         self._gradients_completed = True
+        if self._withheld_gradients is not None:
+            self._withheld_gradients.disarm()
+        added = frozenset(self._penalty_gradient.disarm()) if self._penalty_gradient is not None else frozenset()
         if self.layer_scheduler is not None:
             stray = self.layer_scheduler.drop_stray_gradients()
             if stray and not self._warned_stray:
@@ -126,21 +162,21 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
                 )
         if self.mask_scheduler is not None:
             self.mask_scheduler.end_step()
-        self._apply_penalty(optimizer)
+        self._apply_penalty(optimizer, added)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        # the gradients were completed before the Trainer clipped them, unless it bypassed _clip_grad_norm and
-        # _get_grad_norm (a custom training loop): then here, the last moment before the update
         self.complete_lisa_gradients(optimizer)
         self._gradients_completed = False
         if self.layer_scheduler is not None and self.layer_scheduler.strategy == "importance":
             # the sampler's running norm reads the gradients as the optimizer gets them (unscaled, clipped)
             self.layer_scheduler.observe_gradients()
 
-    def _apply_penalty(self, optimizer) -> None:
-        """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA)."""
+    def _apply_penalty(self, optimizer, added: frozenset) -> None:
+        """Hook for the adapter form's interpolation penalty (nothing to do for full-parameter LISA); ``added``: the
+        ``id`` of each ``β`` whose term the backward passes added already."""
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._remove_gradient_hooks()
         # leave the model as it was handed over (every candidate trainable), e.g. for a second trainer.train()
         if self.layer_scheduler is not None:
             self.layer_scheduler.restore_trainable()

@@ -13,10 +13,12 @@ The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at 
 * ``on_step_begin``: fires once per optimizer step, gradient accumulation included; switch when
   ``global_step % K == 0``, re-assert the trainable set otherwise, then let the mask schedule select and track (at a
   fresh schedule's first step, after calibrating the first masks with passes that train nothing: :mod:`.calibration`).
-* Once the step's gradients are complete, before the Trainer clips them and measures ``grad_norm``
-  (``complete_lisa_gradients``, :func:`.setup.complete_gradients_before_clipping`): drop any that reached frozen
-  parameters, fold the step's mask importance, apply the interpolation penalty's gradient.
-* ``on_pre_optimizer_step``: feed the ``"importance"`` sampler.
+* In the step's backward passes, through tensor hooks armed at the end of ``on_step_begin`` (:mod:`.gradients`):
+  zero the gradients the step withholds (frozen candidates re-enabled behind the schedule, sparse layers calibrating
+  in training) and add the interpolation penalty's ``2λβ``, so the Trainer's clip and ``grad_norm`` see exactly the
+  update.
+* ``on_pre_optimizer_step`` (``complete_lisa_gradients``): clear the withheld gradients, fold the step's mask
+  importance, feed the ``"importance"`` sampler.
 * ``on_optimizer_step``: project δ back into its bound.
 * ``on_log``: active blocks, parameter counts, optimizer-state bytes and mask/penalty values join the Trainer's logs.
 
@@ -175,6 +177,7 @@ class LisaCallback(_LisaCallbackBase):
         self.layer_scheduler = scheduler
         self.resume_state = None
         self._global_step = state.global_step
+        self._install_gradient_hooks(optimizer)
 
     def resolved_settings(self) -> dict[str, Any]:
         """The schedule's settings as this callback runs them (the names of ``training_summary.json``'s ``lisa``)."""
@@ -184,6 +187,7 @@ class LisaCallback(_LisaCallbackBase):
         self._begin_step()
         if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
             self.layer_scheduler.enforce()
+        self._arm_gradient_hooks()
 
 
 class LisaAdapterCallback(_LisaCallbackBase):
@@ -395,6 +399,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         self.mask_scheduler = mask_scheduler
         self.resume_state = None
         self._global_step = state.global_step
+        self._install_gradient_hooks(optimizer, tuner.interpolation_penalty_terms() if interpolation else ())
         attach_schedule(model, self)  # lets the tuner's guard admit training forwards (hf_lisa.tuner.schedule_guard)
 
     def resolved_settings(self, model=None) -> dict[str, Any]:
@@ -472,10 +477,11 @@ class LisaAdapterCallback(_LisaCallbackBase):
                         }
                     )
                 self._pending_logs.update(logs)
+        self._arm_gradient_hooks()
 
-    def _apply_penalty(self, optimizer) -> None:
+    def _apply_penalty(self, optimizer, added: frozenset) -> None:
         if self._tuner is not None:
-            penalty = self._tuner.apply_interpolation_penalty_grad(grad_scale=unscaled_factor(optimizer))
+            penalty = self._tuner.apply_interpolation_penalty_grad(grad_scale=unscaled_factor(optimizer), skip=added)
             if penalty is not None:
                 self._pending_logs["lisa/interp_penalty"] = penalty
 

@@ -1,9 +1,7 @@
 """How the LISA callbacks find and prepare the ``transformers.Trainer`` that runs them.
 
-* :func:`configure_trainer`: the LISA callbacks run before the reporting integrations, the schedule's gradient
-  changes before the Trainer clips the gradients (:func:`complete_gradients_before_clipping`), and under DDP the
-  wrap gets unused-parameter detection and the active-set all-reduce
-  (:func:`hf_lisa.distributed.configure_trainer_for_lisa`).
+* :func:`configure_trainer`: the LISA callbacks run before the reporting integrations, and under DDP the wrap gets
+  unused-parameter detection and the active-set all-reduce (:func:`hf_lisa.distributed.configure_trainer_for_lisa`).
 * :func:`check_engine`: the run's one engine check (:func:`hf_lisa.distributed.check_layer_switching_supported`), as
   training begins; :func:`check_lisa_training_setup` is its public alias for a Trainer's arguments.
 * The Trainer itself, found on the call stack (:func:`calling_trainer`), the fixed batch on which the adapter callback
@@ -21,7 +19,7 @@ import torch
 
 CONFIGURED = "_hf_lisa_configured"  # set on the Trainer by hf_lisa.distributed.configure_trainer_for_lisa
 
-__all__ = ["check_engine", "check_lisa_training_setup", "complete_gradients_before_clipping", "configure_trainer"]
+__all__ = ["check_engine", "check_lisa_training_setup", "configure_trainer"]
 
 
 def trainer_frame() -> Optional[FrameType]:
@@ -59,58 +57,17 @@ def configure_trainer(trainer, lisa_callbacks: Sequence) -> None:
 
     * ``lisa_callbacks`` move ahead of the reporting integrations (TensorBoard, W&B, ...) and the printer, which
       ``Trainer`` registers before user callbacks, so the values they add in ``on_log`` reach all of them.
-    * The schedule's gradient changes run before the Trainer clips and measures the gradients
-      (:func:`complete_gradients_before_clipping`).
     * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
       all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
     """
     from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
 
     run_before_reporting_integrations(trainer, lisa_callbacks)
-    complete_gradients_before_clipping(trainer)
     if getattr(trainer, CONFIGURED, False):
         return
     from hf_lisa.distributed import configure_trainer_for_lisa
 
     configure_trainer_for_lisa(trainer)
-
-
-#: the Trainer methods that read a step's complete gradients first: clipping, then the logged norm (either may run).
-#: Private (transformers 5.x), wrapped per instance because no callback event comes between the last backward and the
-#: clipping; ``tests/test_private_trainer_api.py`` fails when transformers renames one.
-GRADIENT_READERS = ("_clip_grad_norm", "_get_grad_norm")
-
-
-def complete_gradients_before_clipping(trainer) -> None:
-    """Make ``trainer`` (this instance only) call its LISA callbacks' ``complete_lisa_gradients`` before it clips the
-    gradients or measures their norm; idempotent.
-
-    ``Trainer._clip_grad_norm`` and ``Trainer._get_grad_norm`` (private; transformers 5.x) are the first readers of a
-    step's complete gradients: the training loop calls them after the last micro-batch's backward (DDP's all-reduce
-    done) and before ``on_pre_optimizer_step``, which is too late for what the schedule removes or adds (withheld
-    calibration gradients, stray gradients of frozen parameters, the interpolation penalty's ``2λβ``): the clip
-    would scale the applied gradients by a norm that counts those, and the logged ``grad_norm`` would not be the norm
-    of the update. Wrapping the instance's bound methods (not the class) covers ``transformers.Trainer``,
-    ``LisaTrainer`` and TRL's trainers alike, with their own overrides kept. The callbacks are looked up at each
-    call: a resumed Trainer may have rebuilt them. A Trainer whose loop bypasses both methods still gets the changes
-    at ``on_pre_optimizer_step``.
-    """
-    if getattr(trainer, "_hf_lisa_gradients_hooked", False):
-        return
-    for name in GRADIENT_READERS:
-        original = getattr(trainer, name, None)
-        if original is None:  # another transformers version: on_pre_optimizer_step remains
-            continue
-
-        def reader(*args, _original=original, **kwargs):
-            for callback in trainer.callback_handler.callbacks:
-                complete = getattr(callback, "complete_lisa_gradients", None)
-                if complete is not None:
-                    complete(trainer.optimizer)
-            return _original(*args, **kwargs)
-
-        setattr(trainer, name, reader)
-    trainer._hf_lisa_gradients_hooked = True
 
 
 def check_engine(args, model, optimizer, scheduler, form: str) -> str:

@@ -13,13 +13,16 @@ version, step, γ, K, strategy, seed, counters, the active set), with each tenso
 Resuming from ``checkpoint-N`` restores the schedule *with or without*
 ``TrainingArguments(restore_callback_states_from_checkpoint=True)``: with the flag the Trainer rebuilds the callback
 from its stored state; without it, the callback reads the same values from the resumed ``TrainerState``. The tensors
-come from the checkpoint folder being resumed.
+come from the checkpoint folder being resumed, recognised by the save id stored in both files: ``output_dir/
+checkpoint-N``, or the folder named by ``TrainingArguments(resume_from_checkpoint=...)`` (:func:`resume_candidates`;
+no callback event carries the argument of ``trainer.train(resume_from_checkpoint=...)``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 import warnings
 from typing import Any, Optional
 
@@ -37,22 +40,22 @@ from hf_lisa.scheduler.state import (
     write_state_file,
 )
 
-from .setup import trainer_frame
 
+def resume_candidates(args, state) -> list[str]:
+    """Where the checkpoint being resumed can be, in order: ``TrainingArguments.resume_from_checkpoint``, then
+    ``output_dir/checkpoint-N`` (``N`` the resumed step; ``train(resume_from_checkpoint=True)`` resolves there).
 
-def resumed_checkpoint(args, state) -> str:
-    """The checkpoint folder being resumed.
-
-    ``trainer.train(resume_from_checkpoint=...)`` (a local of the Trainer's training loop, ``True`` already resolved to
-    the last checkpoint), else ``TrainingArguments.resume_from_checkpoint``, else ``output_dir/checkpoint-N``.
+    ``trainer.train(resume_from_checkpoint=path)`` is an argument of ``train()`` that no callback event carries: the
+    schedule's tensor file is recognised by the ``save_id`` that ``trainer_state.json`` (which the Trainer does hand
+    over) stores with it, so a folder outside ``output_dir`` is found when ``args.resume_from_checkpoint`` names it,
+    and is refused clearly otherwise (never a same-step file of another run).
     """
-    frame = trainer_frame()
-    path = None if frame is None else frame.f_locals.get("resume_from_checkpoint")
-    if not isinstance(path, str):
-        path = getattr(args, "resume_from_checkpoint", None)
+    found = []
+    path = getattr(args, "resume_from_checkpoint", None)
     if isinstance(path, str):
-        return path
-    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        found.append(path)
+    found.append(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+    return list(dict.fromkeys(found))
 
 
 #: the settings a resumed schedule must keep, by ``hf-lisa train`` option: where the stored schedule holds each
@@ -105,6 +108,7 @@ class ScheduleCheckpoint(ExportableState):
     resume_state: Optional[dict] = None
     _global_step: int = 0
     _unsaved_tensors: Optional[dict[str, torch.Tensor]] = None
+    _unsaved_id: Optional[str] = None
 
     def _ctor_args(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -115,12 +119,14 @@ class ScheduleCheckpoint(ExportableState):
         The Trainer calls it while it writes a checkpoint, on the process that saves; the tensors wait for ``on_save``.
         """
         tree = None
-        self._unsaved_tensors = None
+        self._unsaved_tensors = self._unsaved_id = None
         if self.layer_scheduler is not None or self.mask_scheduler is not None:
+            self._unsaved_id = uuid.uuid4().hex  # names the tensor file that belongs to this trainer_state.json
             tree, self._unsaved_tensors = split_tensors(
                 {
                     "version": SCHEDULER_STATE_VERSION,
                     "global_step": self._global_step,
+                    "save_id": self._unsaved_id,
                     "layers": None if self.layer_scheduler is None else self.layer_scheduler.state_dict(),
                     "masks": None if self.mask_scheduler is None else self.mask_scheduler.state_dict(),
                 }
@@ -142,7 +148,7 @@ class ScheduleCheckpoint(ExportableState):
         """
         tensors, self._unsaved_tensors = self._unsaved_tensors, None
         if tensors is not None:
-            write_state_file(directory, tensors, global_step=str(global_step))
+            write_state_file(directory, tensors, global_step=str(global_step), save_id=self._unsaved_id or "")
 
     def _stored_state(self, args, state) -> Optional[dict]:
         """The schedule saved with the checkpoint being resumed, tensors included; ``None`` for a fresh run."""
@@ -170,12 +176,38 @@ class ScheduleCheckpoint(ExportableState):
                 f"The LISA schedule stored in the checkpoint was saved at step {stored['global_step']} but training "
                 f"resumes at step {state.global_step}; resume from a checkpoint written by the Trainer."
             )
-        directory = resumed_checkpoint(args, state)
-        tensors, metadata = read_state_file(directory)
+        return join_tensors(stored, self._stored_tensors(args, state, stored.get("save_id")))
+
+    def _stored_tensors(self, args, state, save_id: Optional[str]) -> dict[str, torch.Tensor]:
+        """The tensors saved with the resumed ``trainer_state.json``: the file of :func:`resume_candidates` whose
+        ``save_id`` matches (the first candidate for a checkpoint written before save ids)."""
+        candidates = resume_candidates(args, state)
+        existing = [d for d in candidates if os.path.isfile(os.path.join(d, LISA_STATE_FILE))]
+        if not existing:
+            raise FileNotFoundError(
+                f"{' and '.join(os.path.join(d, LISA_STATE_FILE) for d in candidates)}: {LISA_STATE_FILE} is missing. "
+                "The LISA schedule keeps its tensors there, next to the checkpoint it was saved with. The callbacks "
+                "are not told which folder trainer.train(resume_from_checkpoint=...) resumes: when it is not "
+                "output_dir/checkpoint-N, name it in TrainingArguments(resume_from_checkpoint=...) as well."
+            )
+        for directory in existing:
+            tensors, metadata = read_state_file(directory)
+            if metadata.get("global_step") != str(state.global_step):
+                continue
+            if not save_id or metadata.get("save_id") == save_id:
+                return tensors
+        directory = existing[0]
+        _, metadata = read_state_file(directory)
         if metadata.get("global_step") != str(state.global_step):
             raise RuntimeError(
                 f"{os.path.join(directory, LISA_STATE_FILE)} was written at step {metadata.get('global_step')} but "
                 f"training resumes at step {state.global_step} from {directory}: the tensors of the LISA "
                 "schedule belong to another checkpoint. Resume from the checkpoint folder the Trainer wrote."
             )
-        return join_tensors(stored, tensors)
+        raise RuntimeError(
+            f"The LISA schedule resumed at step {state.global_step} was saved with a tensor file of save id {save_id}, "
+            f"and none of {', '.join(os.path.join(d, LISA_STATE_FILE) for d in existing)} is that file: they belong "
+            "to another run. "
+            "The callbacks are not told which folder trainer.train(resume_from_checkpoint=...) resumes; when it is "
+            "not output_dir/checkpoint-N, name it in TrainingArguments(resume_from_checkpoint=...) as well."
+        )

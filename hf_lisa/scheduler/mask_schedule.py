@@ -251,13 +251,19 @@ class MaskScheduler:
             self.track(name, layer, self._trains(layer) and self._pending(name, global_step))
         return records
 
+    def factors(self, withheld: bool = False) -> list[nn.Parameter]:
+        """``A`` and ``B`` of every sparse layer; with ``withheld``, only those whose update the current step withholds
+        (the fresh layers calibrating in training, whose gradients :meth:`end_step` clears)."""
+        return [factor for name, layer in self.layers if not withheld or (self.fresh[name] and self.is_tracking(layer))
+                for factor in (layer.lisa_A[self.adapter_name].weight, layer.lisa_B[self.adapter_name].weight)]
+
     def end_step(self) -> list[str]:
-        """Call once the step's gradients are complete, before they are clipped and the optimizer steps.
+        """Call once the step's gradients are complete, before the optimizer steps.
 
         Folds the step's signed gradient into the importance, and withholds the update of layers still calibrating
         in training (their ``B`` stays 0; see :meth:`calibrate` for the calibration that spends no training step).
-        The LISA callbacks call it before the Trainer clips the gradients and measures ``grad_norm``, so that both
-        see only the gradients applied. Returns the names of the layers that gathered importance in this step.
+        The LISA callbacks also zero the withheld gradients in the backward pass (:meth:`factors`), so that the
+        Trainer's clip and ``grad_norm`` see only the gradients applied. Returns the layers that gathered importance.
         """
         self.withheld = []
         gathered = self._fold([(name, layer) for name, layer in self.layers if self.is_tracking(layer)])

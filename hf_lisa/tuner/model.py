@@ -207,23 +207,28 @@ class LisaModel(BaseTuner):
     def _has_interp(self) -> bool:
         return "lisa_interp_delta" in self._modules
 
+    def interpolation_penalty_terms(self) -> list[tuple[nn.Parameter, float]]:
+        """``(β, λ)`` of every active adapter that uses layer interpolation: the penalty is ``Σ λ·Σβ²``."""
+        if not self._has_interp():
+            return []
+        return [(self.lisa_interp_beta[name], float(self.peft_config[name].interpolation_beta_l2))
+                for name in self.active_adapters if name in self.lisa_interp_beta]
+
     @torch.no_grad()
-    def apply_interpolation_penalty_grad(self, grad_scale: float = 1.0) -> Optional[float]:
+    def apply_interpolation_penalty_grad(self, grad_scale: float = 1.0, skip: frozenset = frozenset()) -> Optional[float]:
         """Add the gradient of λ·Σβ² (``2λβ``) to ``β.grad`` of the active, trainable adapters; returns the penalty.
 
         Call once per optimizer step, after the backward passes and before ``optimizer.step()``: the penalty then
         counts exactly once per step whatever the loss function, gradient accumulation or world size (β is identical
-        on every rank). ``grad_scale`` multiplies the added gradient, for gradients still scaled by a loss scaler.
-        Returns ``None`` when no active adapter uses interpolation.
+        on every rank). ``grad_scale`` multiplies the added gradient, for gradients still scaled by a loss scaler;
+        ``skip`` holds the ``id`` of each β whose term the backward pass added already (the LISA callbacks add it
+        there, :class:`hf_lisa.trainer_callbacks.gradients.PenaltyGradient`). Returns ``None`` when no active adapter
+        uses interpolation.
         """
         total = None
-        for name in self.active_adapters:
-            if not self._has_interp() or name not in self.lisa_interp_beta:
-                continue
-            beta = self.lisa_interp_beta[name]
-            lam = self.peft_config[name].interpolation_beta_l2
+        for beta, lam in self.interpolation_penalty_terms():
             total = (total or 0.0) + float(lam * beta.detach().float().pow(2).sum())
-            if not beta.requires_grad or lam == 0:
+            if not beta.requires_grad or lam == 0 or id(beta) in skip:
                 continue
             grad = (2 * lam * grad_scale) * beta.detach()
             if beta.grad is None:
