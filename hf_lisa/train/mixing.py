@@ -12,12 +12,17 @@ tokenised rows with :func:`mixture_order`.
   weighted mixtures before the option existed, so a weighted run trains on the same rows as before.
 
 The mixture is materialised before training from its sizes, weights, seed and strategy alone, so a resumed run rebuilds
-exactly the rows of the uninterrupted one.
+exactly the rows of the uninterrupted one. Each checkpoint records the strategy, weights and seed
+(:func:`mixture_record_callback`, in ``trainer_state.json``), and a resume that would rebuild another mixture is refused
+before the model loads (:func:`check_resumed_mixture`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+import json
+import os
+from typing import Any, Optional, Sequence
 
 from ..errors import UsageError
 from .validation import DataError
@@ -31,7 +36,11 @@ MIX_STRATEGY_ALIASES = {"interleave_under": "first_exhausted", "interleave_over"
 #: ``all_exhausted`` refuses weights that would draw more rows than this (a tiny share of a large source)
 MAX_MIXTURE_ROWS = 100_000_000
 
-__all__ = ["MAX_MIXTURE_ROWS", "MIXTURE_RULE", "MIX_STRATEGIES", "MIX_STRATEGY_ALIASES", "mixture_order",
+#: the mixture's entry in a checkpoint's ``trainer_state.json`` (``stateful_callbacks``)
+MIXTURE_RECORD = "MixtureRecord"
+
+__all__ = ["MAX_MIXTURE_ROWS", "MIXTURE_RECORD", "MIXTURE_RULE", "MIX_STRATEGIES", "MIX_STRATEGY_ALIASES",
+           "check_resumed_mixture", "mixture_order", "mixture_record_callback", "mixture_settings",
            "resolve_mix_strategy"]
 
 
@@ -151,3 +160,87 @@ def _until_all_exhausted(rng, sizes: Sequence[int], probabilities):
         draws = np.concatenate([draws, rng.choice(len(sizes), size=chunk, p=probabilities)])
     stop = max(int(np.flatnonzero(draws == i)[n - 1]) for i, n in enumerate(sizes)) + 1
     return stop, draws
+
+
+# -- resuming a mixed run ----------------------------------------------------------------------------------------------
+def mixture_settings(data) -> Optional[dict]:
+    """What decides the mixture of a :class:`~.training_data.TrainingData` besides its rows: ``{"mix_strategy"
+    (resolved), "mix_strategy_option" (as given), "weights" (normalised; None for concat), "seed", "sources"}``;
+    ``None`` for one training source (nothing is mixed)."""
+    sources = data.train_sources
+    if len(sources) < 2:
+        return None
+    weighted = data.strategy != "concat"
+    return {"mix_strategy": data.strategy, "mix_strategy_option": data.strategy_option, "seed": data.seed,
+            "weights": [round(s.weight, 6) for s in sources] if weighted else None,
+            "sources": [s.label for s in sources]}
+
+
+@functools.lru_cache(maxsize=None)
+def _record_class():
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+
+    class MixtureRecord(TrainerCallback, ExportableState):
+        """Does nothing during training; the Trainer writes its :meth:`state` into every checkpoint."""
+
+        def __init__(self, settings: Optional[dict] = None) -> None:
+            self.settings = settings
+
+        def state(self) -> dict:
+            return {"args": {"settings": self.settings}, "attributes": {}}
+
+    return MixtureRecord  # named as MIXTURE_RECORD: the Trainer keys its state by the class name
+
+
+def mixture_record_callback(settings: dict):
+    """A ``TrainerCallback`` (``ExportableState``) that has the Trainer write ``settings`` (:func:`mixture_settings`)
+    into every checkpoint's ``trainer_state.json``, inside the checkpoint as it is saved: read back on resume by
+    :func:`check_resumed_mixture`."""
+    return _record_class()(settings)
+
+
+def _weights(weights: Optional[list]) -> str:
+    return "none (concat)" if weights is None else ", ".join(f"{w:g}" for w in weights)
+
+
+def check_resumed_mixture(checkpoint: Optional[str], settings: Optional[dict]) -> None:
+    """Refuse resuming ``checkpoint`` with another mixture than the one it trained on (``settings``:
+    :func:`mixture_settings` of this run): another ``--mix_strategy``, other ``--train_file`` weights, another
+    ``--seed``, or one source where it mixed several. Every difference is named at once, with this run's value and the
+    checkpoint's. A checkpoint without a record (one source, or written before the record existed) passes.
+
+    Raises:
+        UsageError: naming each option, this run's value and the checkpoint's.
+    """
+    if not checkpoint:
+        return
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            entry = (json.load(f).get("stateful_callbacks") or {}).get(MIXTURE_RECORD)
+    except (OSError, ValueError):  # no state to compare: the Trainer's own resume says what is wrong
+        return
+    stored = ((entry or {}).get("args") or {}).get("settings") if isinstance(entry, dict) else None
+    if not isinstance(stored, dict):
+        return
+    fix = "Resume with the checkpoint's values, or start a new run in another --output_dir."
+    if settings is None:
+        raise UsageError(f"--resume_from_checkpoint={checkpoint} was trained on a mixture of {len(stored['sources'])} "
+                         f"sources ({', '.join(stored['sources'])}), but this run reads one training source: it would "
+                         f"continue on other rows. {fix}")
+    changed = []
+    if settings["mix_strategy"] != stored.get("mix_strategy"):
+        given = settings["mix_strategy_option"]
+        resolved = "" if given == settings["mix_strategy"] else f"{settings['mix_strategy']}; "
+        changed.append(f"--mix_strategy={given} ({resolved}the checkpoint has {stored.get('mix_strategy')})")
+    if len(settings["sources"]) != len(stored.get("sources") or ()):
+        changed.append(f"--train_file with {len(settings['sources'])} sources (the checkpoint has "
+                       f"{len(stored.get('sources') or ())}: {', '.join(stored.get('sources') or ())})")
+    elif None not in (settings["weights"], stored.get("weights")) and settings["weights"] != stored["weights"]:
+        changed.append(f"--train_file weights {_weights(settings['weights'])} (the checkpoint has "
+                       f"{_weights(stored.get('weights'))})")
+    if settings["seed"] != stored.get("seed"):
+        changed.append(f"--seed={settings['seed']} (the checkpoint's mixture was drawn with {stored.get('seed')})")
+    if changed:
+        raise UsageError(f"--resume_from_checkpoint={checkpoint}: this run would rebuild another mixture than the one "
+                         f"it continues: {'; '.join(changed)}. {fix}")

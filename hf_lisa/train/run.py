@@ -149,6 +149,7 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
     (files, folders, a dataset, weighted mixtures), or for ``--stage dpo`` its one source's ``DatasetDict``."""
     from . import data as data_lib
     from .. import demo_task
+    from .mixing import check_resumed_mixture, mixture_settings
     from .training_data import load_training_data
 
     bundled = data_args.train_file is None and data_args.dataset_name is None
@@ -168,6 +169,7 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
             data_args.eval_generation_samples = 64
     # every source read and checked line by line; validation rows held out, --max_*_samples applied
     raw = load_training_data(data_args, seed=training_args.seed, cache_dir=model_args.cache_dir)
+    check_resumed_mixture(training_args.resume_from_checkpoint, mixture_settings(raw))  # the checkpoint's mixture
     held_out = raw.held_out  # before --max_eval_samples: what training never sees
     if stage == DPO:  # preference rows: their columns, before the model loads (hf_lisa.train.preference)
         raw = raw.as_raw(f"--stage {DPO}")  # one source's rows (TRL tokenises them)
@@ -256,6 +258,7 @@ class _Run:
     def _trainer(self, model, tokenized, scheduling_callbacks) -> LisaTrainer:
         """The ``LisaTrainer`` with the scheduling, summary and monitoring callbacks, prepared for DDP."""
         from ..distributed import configure_trainer_for_lisa
+        from .mixing import mixture_record_callback, mixture_settings
         from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
         lisa_args, training_args = self.lisa_args, self.training_args
@@ -271,6 +274,8 @@ class _Run:
                                                               lisa_args.lisa_layers_attribute, self.start_info,
                                                               schedules=scheduling_callbacks, notes=notes),
                                             _manifest_callback()]  # checkpoints listed in output_dir's manifest
+        mixture = mixture_settings(self.raw) if lisa_args.stage != DPO else None
+        callbacks += [mixture_record_callback(mixture)] if mixture else []  # in each checkpoint, checked on resume
         options = dict(  # LisaTrainer's own
             layerwise_lr_decay=lisa_args.layerwise_lr_decay, layers_attribute=lisa_args.lisa_layers_attribute,
             optim_step_in_backward=lisa_args.optim_step_in_backward, chunked_loss=lisa_args.chunked_loss,
