@@ -242,7 +242,7 @@ def schedule_reader(callbacks: list, inventory, peer=None) -> Any:
 
     for cb in callbacks:
         if isinstance(cb, NaiveLisaCallback):
-            return lambda: list(cb.active)  # indices of hf_lisa.blocks.find_blocks(model), as the inventory's
+            return lambda: list(cb.active)  # indices of hf_lisa.find_blocks(model), as the inventory's
         scheduler_owner = cb if hasattr(cb, "layer_scheduler") else None
         if scheduler_owner is not None:
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from transformers import TrainerCallback
 
-from hf_lisa.blocks import find_blocks
+from hf_lisa import find_blocks
 
 
 class NaiveLisaCallback(TrainerCallback):

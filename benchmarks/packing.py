@@ -110,10 +110,9 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
     """One pass over the rows in ``mode``; the per-step times and token counts."""
     from transformers import PrinterCallback, TrainerCallback, set_seed
 
+    from hf_lisa.train import LisaTrainer, apply_method
     from hf_lisa.train import data as data_lib
-    from hf_lisa.train.methods import apply_method
     from hf_lisa.train.packing import prepare_packing
-    from hf_lisa.train.trainer import LisaTrainer
 
     _, _, lisa_args, training_args = _arguments(ns, f"{work_dir}/{mode}", packing=mode == "packed")
     set_seed(ns.seed)

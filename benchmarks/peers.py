@@ -90,7 +90,7 @@ def state_storage_bytes(optimizer) -> int:
 
     Looks through accelerate's wrapper and through BAdam's ``BlockOptimizer`` (whose state lives in the AdamW it
     wraps, ``base_optimizer``); counts GaLore's projectors (``state["projector"].ortho_matrix``)."""
-    from hf_lisa.optim.state import unwrap_optimizer
+    from hf_lisa.optim import unwrap_optimizer
 
     inner = unwrap_optimizer(optimizer)
     inner = getattr(inner, "base_optimizer", inner)

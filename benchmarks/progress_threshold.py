@@ -96,9 +96,16 @@ class _Records(logging.Handler):
             self.warnings.append(record.getMessage())
 
 
-def run_one(model: str, method: str, precision: str, lr: str, work: Path, steps: int) -> dict:
-    from hf_lisa import cli
+def hf_lisa_command():
+    """The installed ``hf-lisa`` command, in this process (its console-script entry point): the guard's DEBUG records
+    reach a handler here, which a subprocess's log would not carry (``hf-lisa train`` logs hf_lisa at INFO)."""
+    from importlib.metadata import entry_points
 
+    (script,) = entry_points(group="console_scripts", name="hf-lisa")
+    return script.load()
+
+
+def run_one(model: str, method: str, precision: str, lr: str, work: Path, steps: int) -> dict:
     records = _Records()
     guard_logger = logging.getLogger(GUARD_LOGGER)
     guard_logger.addHandler(records)
@@ -106,7 +113,7 @@ def run_one(model: str, method: str, precision: str, lr: str, work: Path, steps:
     out = work / "out"
     started = time.perf_counter()
     try:
-        status = cli.main([
+        status = hf_lisa_command()([
             "train", "--model_name_or_path", model, "--train_file", str(work / "train.jsonl"),
             "--validation_split_percentage", "0", "--output_dir", str(out), "--method", method,
             "--learning_rate", lr, "--lr_scheduler_type", "constant", "--max_steps", str(steps),
@@ -128,11 +135,12 @@ def run_one(model: str, method: str, precision: str, lr: str, work: Path, steps:
 def verdict(update: Optional[float]) -> str:
     """What the guard's thresholds make of a run's largest measured ``||dW||/||W||`` (it passes at the first step
     at or above WARN_UPDATE, so the largest of the checked steps decides)."""
-    from hf_lisa.trainer_callbacks.progress import MIN_UPDATE, WARN_UPDATE
+    from hf_lisa.trainer_callbacks import TrainingProgressGuard
 
+    guard = TrainingProgressGuard()  # its default thresholds: min_update = MIN_UPDATE, warn_update = WARN_UPDATE
     if update is None:
         return "passes (no size)"
-    return "stops" if update < MIN_UPDATE else "warns" if update < WARN_UPDATE else "passes"
+    return "stops" if update < guard.min_update else "warns" if update < guard.warn_update else "passes"
 
 
 def render(results: list[dict]) -> str:

@@ -85,7 +85,7 @@ class ParameterInventory:
 
     Attributes:
         all_params: every unique parameter.
-        block_names: qualified names of the transformer blocks, in order (``hf_lisa.blocks.find_blocks``).
+        block_names: qualified names of the transformer blocks, in order (``hf_lisa.find_blocks``).
         block_base: per block, its base-model parameters.
         block_adapter: per block, its adapter parameters (``lora_*`` / ``lisa_*``).
         outside_base: base parameters outside every block: E + H + final norm for a decoder LM (tied E/H once).
@@ -133,7 +133,7 @@ class ParameterInventory:
 
 def parameter_inventory(model: nn.Module, layers_attribute: Optional[str] = None) -> ParameterInventory:
     """Split the unique parameters of ``model`` (plain, PEFT-wrapped or DDP-wrapped) by block and by kind."""
-    from hf_lisa.blocks import find_blocks
+    from hf_lisa import find_blocks
 
     blocks = find_blocks(model, layers_attribute)
     owner: dict[int, int] = {}

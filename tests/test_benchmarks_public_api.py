@@ -1,0 +1,354 @@
+"""benchmarks/ uses hf-lisa's public API only (issue 34 item 4): what a user can import, so that reshaping the CLI's
+internals cannot break a benchmark, and a benchmark measures what a user would run.
+
+A name of ``hf_lisa`` is **public** when
+
+* the module it comes from has no component starting with ``_`` (``hf_lisa._lazy`` is private),
+* it does not start with ``_`` (dunders such as ``__version__`` excepted),
+* it is listed in that module's ``__all__`` (a module without ``__all__`` has no public names), and
+* the module is not part of the ``hf-lisa train`` application, :data:`APPLICATION_PACKAGES`: ``hf_lisa.train`` lists
+  ``LisaTrainer``, ``apply_method``, its data pipeline... in ``__all__`` for the CLI's own use, but issue 34 calls
+  them the CLI's internals (its library face is to move out of it), so a benchmark drives the command instead
+  (``hf-lisa train`` in a subprocess).
+
+Every ``import hf_lisa...``/``from hf_lisa... import ...`` in ``benchmarks/*.py`` is checked, at any depth (function
+level included), and so is attribute access through an imported module (``hf_lisa.train.data.load_raw_datasets``,
+``cli.main`` after ``from hf_lisa import cli``). Importing a submodule itself (``from hf_lisa import trainer_callbacks``)
+is fine when its path is public; what is then used from it is checked.
+
+Some uses have no public replacement yet (hf-lisa's own modules are not for a benchmark to change): STILL_USED lists
+them per benchmark, WAITING_FOR says which public name each waits for. The lists only shrink (a test fails on an entry
+no longer used). ``python tests/test_benchmarks_public_api.py`` prints every non-public use, listed or not.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+#: packages whose names are not public for benchmarks, whatever their ``__all__`` says (see the module docstring)
+APPLICATION_PACKAGES = ("hf_lisa.train",)
+
+#: benchmark modules exempted, with why. The study of issue 37 (``benchmarks/study.py``) runs from these modules while
+#: this test was written and may not be edited until it finishes; they use ``hf_lisa.models`` and ``hf_lisa.demo_task``,
+#: which have no ``__all__`` (the bundled model's path, the demo task's rows). Once those modules declare an
+#: ``__all__`` (see WAITING_FOR) the exemptions go stale and ``test_exemptions_are_still_needed`` says so.
+EXEMPT = {
+    "study_run.py": "the running issue-37 study imports it (hf_lisa.models.default_model_path)",
+    "tasks.py": "the running issue-37 study imports it (hf_lisa.demo_task.*, hf_lisa.models.cache_dir)",
+}
+
+#: what the remaining non-public uses wait for: hf-lisa offers no public name for them yet (a benchmark may not change
+#: hf_lisa/ to get one). Module or name prefix -> the public surface that would replace it.
+WAITING_FOR = {
+    "hf_lisa.models.": "an __all__ in hf_lisa.models (DEFAULT_MODEL_ID, default_model_path, cache_dir): the bundled "
+                       "model is what `hf-lisa demo` and the default --model_name_or_path train, a user's own Trainer "
+                       "needs its path",
+    "hf_lisa.demo_task.": "an __all__ in hf_lisa.demo_task (NAMES, OBJECTS, cached_dataset_files): the bundled task's "
+                          "files, which docs and examples train on",
+    "hf_lisa.optim.memory.": "apply_cpu_allocator and heap_trim in hf_lisa.optim.__all__: hf-lisa train's "
+                             "--cpu_allocator lever, which a plain Trainer needs for the same memory",
+    "hf_lisa.optim.chunked_loss.": "install_chunked_loss in hf_lisa.optim.__all__: hf-lisa train's --chunked_loss "
+                                   "lever, idem",
+    "hf_lisa.train.data": "the data pipeline as a public sub-room (issue 34 item 2): load_raw_datasets, "
+                          "tokenize_datasets, data_collator, use_chat_template, TokenizationReport",
+    "hf_lisa.train.packing.": "prepare_packing with the public data pipeline",
+    "hf_lisa.train.": "the library face of issue 34 item 2 (LisaTrainer with typed LisaTrainingArguments, the "
+                      "method set-up of apply_method, model loading, generation exact match) out of the application",
+}
+
+#: benchmark -> the non-public names it still uses (each under a WAITING_FOR prefix). Any other use fails, and so does
+#: an entry no longer used: the list only shrinks.
+STILL_USED = {
+    "compare.py": {
+        "hf_lisa.optim.memory.apply_cpu_allocator", "hf_lisa.train.DataArguments", "hf_lisa.train.LisaArguments",
+        "hf_lisa.train.LisaTrainer", "hf_lisa.train.ModelArguments", "hf_lisa.train.apply_method",
+        "hf_lisa.train.data", "hf_lisa.train.data.TokenizationReport", "hf_lisa.train.data.data_collator",
+        "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
+        "hf_lisa.train.data.use_chat_template", "hf_lisa.train.generation_exact_match",
+        "hf_lisa.train.generation_rows", "hf_lisa.train.load_model_and_tokenizer", "hf_lisa.train.resolve_model_path",
+    },
+    "mask_reselection.py": {
+        "hf_lisa.demo_task.cached_dataset_files", "hf_lisa.models.DEFAULT_MODEL_ID", "hf_lisa.models.default_model_path",
+        "hf_lisa.train.data", "hf_lisa.train.data.data_collator", "hf_lisa.train.data.load_raw_datasets",
+        "hf_lisa.train.data.tokenize_datasets",
+    },
+    "packing.py": {
+        "hf_lisa.demo_task.cached_dataset_files", "hf_lisa.models.default_model_path", "hf_lisa.train.LisaTrainer",
+        "hf_lisa.train.apply_method", "hf_lisa.train.data", "hf_lisa.train.data.data_collator",
+        "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
+        "hf_lisa.train.packing.prepare_packing", "hf_lisa.train.parse_args",
+    },
+    "peak_breakdown.py": {
+        "hf_lisa.optim.chunked_loss.install_chunked_loss", "hf_lisa.optim.memory.apply_cpu_allocator",
+        "hf_lisa.optim.memory.heap_trim", "hf_lisa.train.ModelArguments", "hf_lisa.train.data",
+        "hf_lisa.train.data.data_collator", "hf_lisa.train.data.load_raw_datasets",
+        "hf_lisa.train.data.tokenize_datasets", "hf_lisa.train.load_model_and_tokenizer",
+        "hf_lisa.train.resolve_model_path",
+    },
+    "peers.py": {"hf_lisa.optim.chunked_loss.install_chunked_loss", "hf_lisa.optim.memory.heap_trim"},
+    "progress_threshold.py": {"hf_lisa.models.default_model_path"},
+    "scaling.py": {"hf_lisa.train.LisaArguments", "hf_lisa.train.LisaTrainer", "hf_lisa.train.apply_method"},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What is public
+# ----------------------------------------------------------------------------------------------------------------------
+#: where a package's source lies when it is not under its import path (pyproject.toml's package-dir)
+PACKAGE_DIRS = {"hf_lisa.trainer_callbacks": "trainer_callbacks", "hf_lisa.model_cards": "model_cards"}
+
+
+def source_file(module: str) -> Optional[Path]:
+    """The source of ``module`` in this checkout (``__init__.py`` for a package), found without importing anything:
+    the check reads code, so a module that does not import right now (another change under way) is still judged."""
+    for prefix, folder in PACKAGE_DIRS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            base = REPO_ROOT / folder / Path(*module[len(prefix) + 1:].split(".")) if module != prefix \
+                else REPO_ROOT / folder
+            break
+    else:
+        base = REPO_ROOT / Path(*module.split("."))
+    for candidate in (base / "__init__.py", base.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def is_module(path: str) -> bool:
+    return path.split(".")[0] == "hf_lisa" and source_file(path) is not None
+
+
+def exported_names(module: str) -> Optional[list[str]]:
+    """``module.__all__`` as written (a literal list, as every module of hf-lisa writes it), or ``None``."""
+    tree = ast.parse(source_file(module).read_text())
+    for stmt in tree.body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] \
+            if isinstance(stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(stmt.value))
+    return None
+
+
+def module_problem(path: str) -> Optional[str]:
+    """Why importing the module ``path`` itself is not public, or ``None``."""
+    if any(part.startswith("_") and not part.startswith("__") for part in path.split(".")):
+        return "underscore module"
+    if any(path == app or path.startswith(app + ".") for app in APPLICATION_PACKAGES):
+        return "the hf-lisa train application"
+    return None
+
+
+def name_problem(module: str, name: str) -> Optional[str]:
+    """Why ``name`` of ``module`` is not public, or ``None``."""
+    problem = module_problem(module)
+    if problem:
+        return problem
+    if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+        return "underscore name"
+    if not is_module(module):
+        return f"no module {module}"
+    exported = exported_names(module)
+    if exported is None:
+        return f"{module} has no __all__"
+    if name not in exported:
+        return f"not in {module}.__all__"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a benchmark uses
+# ----------------------------------------------------------------------------------------------------------------------
+def _attribute_chain(node: ast.Attribute) -> Optional[tuple[str, list[str]]]:
+    """``a.b.c`` -> ``("a", ["b", "c"])``; ``None`` unless the chain ends at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return node.id, parts[::-1]
+
+
+class _Uses(ast.NodeVisitor):
+    """Every hf_lisa name a file uses, as ``(line, "module.name", problem)``; module aliases are scoped per function
+    (an import inside a function binds its name for that function and the functions inside it)."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, str]] = [{}]  # local name -> the hf_lisa module it is bound to
+        self.found: list[tuple[int, str, str]] = []
+
+    def _report(self, line: int, what: str, problem: Optional[str]) -> None:
+        if problem:
+            self.found.append((line, what, problem))
+
+    def _bind_imports(self, body: list[ast.stmt]) -> None:
+        """Bind the module aliases of every import directly in ``body`` (nested blocks too, not nested functions)."""
+        scope = self.scopes[-1]
+        for stmt in body:
+            for node in _walk_same_scope(stmt):
+                if isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if alias.name.split(".")[0] != "hf_lisa":
+                            continue
+                        if alias.asname:
+                            scope[alias.asname] = alias.name
+                        else:
+                            scope["hf_lisa"] = "hf_lisa"
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                        and node.module.split(".")[0] == "hf_lisa":
+                    for alias in node.names:
+                        if is_module(f"{node.module}.{alias.name}"):
+                            scope[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+
+    def _scoped(self, node: ast.AST, body: list[ast.stmt]) -> None:
+        self.scopes.append({})
+        self._bind_imports(body)
+        self.generic_visit(node)
+        self.scopes.pop()
+
+    def visit_Module(self, node: ast.Module) -> None:
+        self._bind_imports(node.body)
+        self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self._scoped(node, node.body)
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name.split(".")[0] == "hf_lisa":
+                self._report(node.lineno, alias.name, module_problem(alias.name))
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level or not node.module or node.module.split(".")[0] != "hf_lisa":
+            return
+        for alias in node.names:
+            full = f"{node.module}.{alias.name}"
+            if is_module(full):
+                self._report(node.lineno, full, module_problem(full))
+            else:
+                self._report(node.lineno, full, name_problem(node.module, alias.name))
+
+    def _lookup(self, name: str) -> Optional[str]:
+        for scope in reversed(self.scopes):
+            if name in scope:
+                return scope[name]
+        return None
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        chain = _attribute_chain(node)
+        module = chain and self._lookup(chain[0])
+        if not module:
+            self.generic_visit(node)
+            return
+        for attr in chain[1]:  # walk down submodules; the first attribute that is not one is a name of the last
+            if is_module(f"{module}.{attr}"):
+                module = f"{module}.{attr}"
+                continue
+            self._report(node.lineno, f"{module}.{attr}", name_problem(module, attr))
+            break
+        # the chain is handled as a whole: do not visit its inner Attribute nodes again
+
+
+def _walk_same_scope(node: ast.AST) -> Iterator[ast.AST]:
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from _walk_same_scope(child)
+
+
+def non_public_uses(path: Path) -> list[tuple[int, str, str]]:
+    uses = _Uses()
+    uses.visit(ast.parse(path.read_text(), filename=str(path)))
+    return sorted(set(uses.found))
+
+
+def offenders() -> dict[str, list[tuple[int, str, str]]]:
+    found = {}
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        uses = non_public_uses(path)
+        if uses:
+            found[path.name] = uses
+    return found
+
+
+def format_offenders(found: dict[str, list[tuple[int, str, str]]]) -> str:
+    lines = []
+    for name, uses in found.items():
+        lines.append(f"benchmarks/{name}:")
+        lines.extend(f"  line {line}: {what} ({problem})" for line, what, problem in uses)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------------------
+def test_benchmarks_use_public_names_only():
+    """No benchmark uses a non-public name beyond those of STILL_USED (which wait for a public name)."""
+    new = {}
+    for name, uses in offenders().items():
+        if name in EXEMPT:
+            continue
+        extra = [use for use in uses if use[1] not in STILL_USED.get(name, ())]
+        if extra:
+            new[name] = extra
+    assert not new, "benchmarks use non-public names of hf_lisa:\n" + format_offenders(new)
+
+
+def test_waiting_lists_only_shrink():
+    """An entry of STILL_USED that its benchmark no longer uses is removed (so the list cannot go stale), and every
+    entry says what public name it waits for; likewise an exempted module that has become public-only."""
+    found = offenders()
+    stale = {name: sorted(names - {use[1] for use in found.get(name, [])}) for name, names in STILL_USED.items()}
+    assert not any(stale.values()), f"remove from STILL_USED, no longer used: {stale}"
+    unexplained = [what for names in STILL_USED.values() for what in names
+                   if not any(what.startswith(prefix) for prefix in WAITING_FOR)]
+    assert not unexplained, f"add to WAITING_FOR what these wait for: {unexplained}"
+    public_only = [name for name in EXEMPT if name not in found]
+    assert not public_only, f"remove from EXEMPT, these use public names only now: {public_only}"
+
+
+def test_the_checker_sees_each_kind_of_use(tmp_path):
+    """The checker itself: each way of reaching a name, public and not, on a file written here."""
+    source = tmp_path / "example.py"
+    source.write_text(
+        "import hf_lisa\n"
+        "import hf_lisa.train.data\n"
+        "from hf_lisa import LisaConfig, find_blocks, cli, trainer_callbacks\n"
+        "from hf_lisa.trainer_callbacks import LisaCallback\n"
+        "from hf_lisa.trainer_callbacks.progress import MIN_UPDATE\n"
+        "from hf_lisa.blocks import find_blocks as fb\n"
+        "from hf_lisa._lazy import lazy_attributes\n"
+        "from hf_lisa.train import LisaTrainer\n"
+        "def f():\n"
+        "    from hf_lisa.optim import memory\n"
+        "    hf_lisa.LisaConfig(r=1)\n"
+        "    hf_lisa.train.data.load_raw_datasets()\n"
+        "    cli.main([])\n"
+        "    trainer_callbacks.LisaAdapterCallback\n"
+        "    return memory.heap_trim\n"
+        "def g(memory):\n"
+        "    return memory.heap_trim  # a parameter, not the module bound in f\n"
+    )
+    found = {what: problem for _, what, problem in non_public_uses(source)}
+    assert found == {
+        "hf_lisa.train.data": "the hf-lisa train application",
+        "hf_lisa.train.data.load_raw_datasets": "the hf-lisa train application",
+        "hf_lisa.cli.main": "hf_lisa.cli has no __all__",
+        "hf_lisa.trainer_callbacks.progress.MIN_UPDATE": "not in hf_lisa.trainer_callbacks.progress.__all__",
+        "hf_lisa.blocks.find_blocks": "hf_lisa.blocks has no __all__",
+        "hf_lisa._lazy.lazy_attributes": "underscore module",
+        "hf_lisa.train.LisaTrainer": "the hf-lisa train application",
+        "hf_lisa.optim.memory.heap_trim": "hf_lisa.optim.memory has no __all__",
+    }
+
+
+if __name__ == "__main__":  # `python tests/test_benchmarks_public_api.py`: list every offender, exempted or not
+    sys.exit(print(format_offenders(offenders())) or 0)
