@@ -20,7 +20,7 @@ import hf_lisa
 from hf_lisa.demo_task import ANSWER_MARKER
 from hf_lisa.train.data import load_task_or_file
 from hf_lisa.models import default_model_path
-from hf_lisa.trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -68,6 +68,7 @@ trainer = DPOTrainer(
     model=model, args=training_args, train_dataset=raw["train"], eval_dataset=raw["validation"],
     processing_class=tokenizer, peft_config=config, callbacks=[LisaAdapterCallback(seed=42)],
 )
+prepare_trainer(trainer)  # hand the Trainer to the LISA callbacks: DDP, lisa/* in TensorBoard/W&B, the guard
 trainer.model.print_trainable_parameters()
 
 before = trainer.evaluate()  # policy = reference at the start: loss log 2, no preference yet

@@ -17,7 +17,7 @@ import hf_lisa
 from hf_lisa.train.data import data_collator, tokenize_datasets
 from hf_lisa.train.data import load_task_or_file
 from hf_lisa.models import default_model_path
-from hf_lisa.trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +51,7 @@ trainer = Trainer(
     model=model, args=training_args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
     processing_class=tokenizer, data_collator=data_collator(tokenizer), callbacks=[LisaAdapterCallback(seed=42)],
 )
+prepare_trainer(trainer)  # hand the Trainer to the LISA callbacks: DDP, lisa/* in TensorBoard/W&B, the guard
 TrainingMonitorCallback().attach(trainer)  # ahead of TensorBoard, so that its scalars reach the event files
 
 before = trainer.evaluate()["eval_loss"]

@@ -29,7 +29,7 @@ from transformers import (
 
 import hf_lisa
 from hf_lisa.train.evaluation import accuracy
-from hf_lisa.trainer_callbacks import LisaAdapterCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 
 POSITIVE = ["wonderful", "great", "excellent", "delightful", "superb", "lovely", "fantastic", "enjoyable", "brilliant"]
 NEGATIVE = ["terrible", "awful", "boring", "dreadful", "horrible", "dull", "disappointing", "poor", "miserable"]
@@ -104,6 +104,7 @@ trainer = Trainer(
     data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=compute_metrics,
     callbacks=[LisaAdapterCallback(seed=args.seed)],
 )
+prepare_trainer(trainer)  # hand the Trainer to the LISA callbacks: DDP, lisa/* in TensorBoard/W&B, the guard
 before = trainer.evaluate()["eval_accuracy"]
 trainer.train()
 after = trainer.evaluate()["eval_accuracy"]

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingA
 from hf_lisa.train.data import data_collator, tokenize_datasets
 from hf_lisa.train.data import load_task_or_file
 from hf_lisa.models import default_model_path
-from hf_lisa.trainer_callbacks import LisaCallback
+from hf_lisa.trainer_callbacks import LisaCallback, prepare_trainer
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,6 +47,7 @@ trainer = Trainer(
     model=model, args=training_args, train_dataset=datasets["train"], eval_dataset=datasets["validation"],
     processing_class=tokenizer, data_collator=data_collator(tokenizer), callbacks=[lisa],
 )
+prepare_trainer(trainer)  # hand the Trainer to the LISA callbacks: DDP, lisa/* in TensorBoard/W&B, the guard
 TrainingMonitorCallback().attach(trainer)
 
 before = trainer.evaluate()["eval_loss"]

@@ -23,6 +23,12 @@ gradient ``2λβ``), γ = 1 of 4 blocks, K = 2. Cases run with gradient accumula
 clip (``max_grad_norm`` below every step's gradient norm, checked), others without. Every run also records, per
 optimizer step, which parameters changed: only the active block's (and what trains throughout), and the active
 block's did.
+
+One thing needs the Trainer itself, which a Trainer does not hand its callbacks: calibrating the first sparse masks
+through *its* ``compute_loss`` (TRL's DPO loss, a subclass's own). So the sparse runs in the users' Trainers hand it
+over with ``hf_lisa.trainer_callbacks.prepare_trainer(trainer)``, as ``LisaTrainer`` does itself; without it the
+callback calibrates on the model's own loss (or, on DPO's batches without labels, in training) and warns
+(``tests/test_trainer_handover.py``). Every other form runs with the callback alone.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_lisa
 from hf_lisa.train import LisaTrainer
-from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
+from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback, prepare_trainer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
@@ -196,6 +202,8 @@ def _plain_run(cls, form: str, make_model, dataset, training_args, settings: dic
     args = training_args(max_steps=STEPS, **settings)
     extra = dict(chunked_loss=False) if cls is LisaTrainer else {}
     trainer = cls(model=model, args=args, train_dataset=dataset(), callbacks=[lisa, record], **extra)
+    if form == "sparse":  # the first masks calibrate through the Trainer's own loss once it is handed over
+        prepare_trainer(trainer)
     trainer.train()
     names = [n for n, _ in model.named_parameters()]
     if form == "full":
@@ -315,6 +323,8 @@ def _trl_run(kind: str, ours: bool, form: str, make_model, tmp_path):
     if ours:
         kwargs["chunked_loss"] = False
     trainer = cls(**kwargs)
+    if form == "sparse":  # the first masks calibrate through the Trainer's own loss once it is handed over
+        prepare_trainer(trainer)
     model = trainer.model
     initial = state_of(model)
     trainer.train()

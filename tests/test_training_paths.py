@@ -274,9 +274,12 @@ def test_always_trainable_still_narrows_the_heads(training_args):
 def test_lisa_callbacks_run_before_the_reporting_integrations(tiny_llama, token_dataset, training_args):
     from transformers.integrations import TensorBoardCallback
 
+    from hf_lisa.trainer_callbacks import prepare_trainer
+
     lisa = LisaCallback(activated_layers=1)
     trainer = Trainer(model=tiny_llama(), args=training_args(max_steps=1, report_to=["tensorboard"]),
                       train_dataset=token_dataset(), callbacks=[lisa])
+    prepare_trainer(trainer)  # hands the Trainer over (tests/test_trainer_handover.py: without it, nothing moves)
     order = [type(cb) for cb in trainer.callback_handler.callbacks]
     assert order.index(LisaCallback) < order.index(TensorBoardCallback)
 

@@ -16,8 +16,8 @@ from hf_lisa.optim.state import optimizer_state_bytes
 from hf_lisa.optim.in_backward import steps_in_backward
 
 from .gradients import PenaltyGradient, WithheldGradients
-from .progress import add_progress_guard
-from .setup import CONFIGURED, calling_trainer, configure_trainer, launched_world_size
+from .progress import TrainingProgressGuard, add_progress_guard
+from .setup import WANTS_TRAINER, configure_trainer, launched_world_size
 from .state import ScheduleCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
         self._gradients_completed = False  # complete_lisa_gradients() ran in this optimizer step
         self._withheld_gradients: Optional[WithheldGradients] = None
         self._penalty_gradient: Optional[PenaltyGradient] = None
+        self._trainer = None  # handed over by set_trainer (hf_lisa.trainer_callbacks.prepare_trainer)
+        self._guard: Optional[TrainingProgressGuard] = None  # run by this callback when no Trainer was handed over
+        setattr(self, WANTS_TRAINER, True)
 
     # -- logging -------------------------------------------------------------------------------------------------------
     def _log_values(self, optimizer) -> dict[str, Any]:
@@ -67,28 +70,57 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
         self._global_step = state.global_step
 
     # -- the Trainer that runs us --------------------------------------------------------------------------------------
-    def _configure(self, trainer) -> None:
+    def set_trainer(self, trainer) -> None:
+        """Hand this callback (and the other LISA callbacks of ``trainer``) the Trainer that runs it, and prepare it
+        (:func:`.setup.configure_trainer`, a :class:`~.progress.TrainingProgressGuard`); idempotent, and called again
+        when the Trainer's callbacks change (the readers of the logs stay behind the LISA callbacks). Called by
+        :func:`hf_lisa.trainer_callbacks.prepare_trainer`, ``LisaTrainer`` and
+        :func:`hf_lisa.distributed.configure_trainer_for_lisa`; transformers' events never pass the Trainer."""
         ours = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _LisaCallbackBase)]
+        for callback in ours:
+            callback._trainer = trainer
         configure_trainer(trainer, ours)
         add_progress_guard(trainer)  # a run that trains nothing stops (a guard the user added stands)
 
-    def on_init_end(self, args, state, control, **kwargs):
-        trainer = calling_trainer()
-        if trainer is not None:
-            self._configure(trainer)
+    def _check_trainer(self, args, model) -> None:
+        """At ``on_train_begin``: without the Trainer (``set_trainer`` not called, or called by another Trainer),
+        refuse several processes (the DDP wrap could not be prepared), say that the reporting integrations do not
+        receive the ``lisa/*`` values, and run the progress guard from this callback."""
+        trainer = self._trainer
+        if trainer is not None and trainer.model is model:
+            return
+        self._trainer = None
+        if launched_world_size() > 1 or args.world_size > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} was not handed its Trainer, so it could not prepare the Trainer's DDP wrap "
+                "for LISA before train() (unused-parameter detection, the active-set all-reduce). Call "
+                "hf_lisa.trainer_callbacks.prepare_trainer(trainer) (or "
+                "hf_lisa.distributed.configure_trainer_for_lisa(trainer)) before trainer.train(), or use "
+                "hf_lisa.train.LisaTrainer."
+            )
+        from transformers.integrations import get_reporting_integration_callbacks
 
-    def _check_configured(self, args) -> None:
-        """Refuse multi-process training that the callback could not set up (added after the Trainer was built)."""
-        trainer = calling_trainer()
-        if trainer is not None and not getattr(trainer, CONFIGURED, False):
-            if launched_world_size() > 1 or args.world_size > 1:
-                raise RuntimeError(
-                    f"{type(self).__name__} was added after the Trainer was built, so it could not prepare the "
-                    "Trainer's DDP wrap for LISA before train() (unused-parameter detection, the active-set "
-                    "all-reduce). Pass it as Trainer(callbacks=[...]), or call "
-                    "hf_lisa.distributed.configure_trainer_for_lisa(trainer) before trainer.train()."
-                )
-            self._configure(trainer)
+        integrations = get_reporting_integration_callbacks(args.report_to)
+        if integrations:
+            logger.warning(
+                "LISA: %s was not handed its Trainer, so the reporting integrations (%s) run before it and do not "
+                "receive its lisa/* values (trainer.state.log_history does). Call "
+                "hf_lisa.trainer_callbacks.prepare_trainer(trainer) before trainer.train() to report them.",
+                type(self).__name__, ", ".join(c.__name__ for c in integrations),
+            )
+        if self._guard is None:
+            self._guard = TrainingProgressGuard(run_by=self)
+
+    def _relay(self, event: str, args, state, control, **kwargs) -> None:
+        """Run the progress guard's ``event`` when this callback runs the guard itself (no Trainer handed over)."""
+        if self._guard is not None and self._trainer is None:
+            getattr(self._guard, event)(args, state, control, **kwargs)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._relay("on_evaluate", args, state, control, **kwargs)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._relay("on_optimizer_step", args, state, control, **kwargs)
 
     def _check_gradients_reachable(self, optimizer, readers: list[str]) -> None:
         """Refuse an optimizer that applies and frees each gradient inside the backward pass (``AdamWInBackward``,
@@ -166,6 +198,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self.complete_lisa_gradients(optimizer)
+        self._relay("on_pre_optimizer_step", args, state, control, optimizer=optimizer, **kwargs)
         self._gradients_completed = False
         if self.layer_scheduler is not None and self.layer_scheduler.strategy == "importance":
             # the sampler's running norm reads the gradients as the optimizer gets them (unscaled, clipped)
@@ -177,6 +210,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_gradient_hooks()
+        self._relay("on_train_end", args, state, control, **kwargs)
         # leave the model as it was handed over (every candidate trainable), e.g. for a second trainer.train()
         if self.layer_scheduler is not None:
             self.layer_scheduler.restore_trainable()

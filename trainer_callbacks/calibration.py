@@ -10,8 +10,11 @@ calibration runs as extra passes at ``on_step_begin`` of a fresh schedule's firs
   Trainer's ``data_seed`` (else ``seed``), disjoint across ranks: the data loader, its sampler and the global RNGs are
   untouched (the passes run under ``torch.random.fork_rng``), so the training that follows sees the same batches and
   dropout as without them;
-* the loss is the Trainer's own ``compute_loss`` (TRL's SFT and DPO losses, a custom one) under its autocast context,
-  on the model the callbacks receive (not the DDP wrapper: the importance is all-reduced by the mask schedule itself);
+* the loss is the Trainer's own ``compute_loss`` (TRL's SFT and DPO losses, a custom one) under its autocast context
+  when the callback was handed its Trainer (:func:`.setup.prepare_trainer`; ``LisaTrainer`` does it), else the
+  model's own loss on batches with ``labels`` (a plain Trainer's loss); without either, the masks calibrate in
+  training, with a warning. On the model the callbacks receive (not the DDP wrapper: the importance is all-reduced
+  by the mask schedule itself);
 * the gradient is taken with ``torch.autograd.grad`` with respect to the fresh layers' factors, so no parameter's
   ``.grad`` is written and no gradient hook (DDP's reducer, DeepSpeed's, an optimizer stepping in the backward pass)
   fires; under reentrant activation checkpointing, which hides the checkpointed blocks from ``autograd.grad`` (the
@@ -29,7 +32,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .setup import _to_device, calling_trainer
+from .setup import _to_device, probe_batch
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +79,15 @@ def calibration_batches(
         yield micro
 
 
-def calibrate_fresh_masks(trainer, mask_scheduler, model, args, train_dataloader, global_step: int) -> Optional[dict]:
-    """Run :meth:`MaskScheduler.calibrate` on passes of ``trainer``'s own loss; returns its record (or ``None``).
+def _model_loss(model, inputs) -> torch.Tensor:
+    outputs = model(**inputs)
+    return outputs["loss"] if isinstance(outputs, dict) else outputs.loss
+
+
+def calibrate_fresh_masks(trainer, mask_scheduler, model, args, train_dataloader, global_step: int,
+                          optimizer=None) -> Optional[dict]:
+    """Run :meth:`MaskScheduler.calibrate` on passes of ``trainer``'s own loss (``None``: the model's own loss);
+    returns its record (or ``None``).
 
     Call at ``on_step_begin`` of the first step of a fresh schedule, after the layer switch. See the module docstring.
     """
@@ -85,14 +95,17 @@ def calibrate_fresh_masks(trainer, mask_scheduler, model, args, train_dataloader
     seed = args.data_seed if args.data_seed is not None else args.seed
     batches = calibration_batches(train_dataloader, mask_scheduler.importance_steps, args.gradient_accumulation_steps,
                                   args.per_device_train_batch_size, seed, device)
-    scaler = getattr(trainer.accelerator, "scaler", None)
+    scaler = getattr(trainer.accelerator if trainer is not None else optimizer, "scaler", None)
     saved = {name: copy.deepcopy(getattr(trainer, name)) for name in _METRIC_ATTRIBUTES if hasattr(trainer, name)}
     stashed: Optional[dict] = None  # every parameter's .grad before the first plain backward(), if one is needed
     mode: Optional[str] = None  # "grad" (autograd.grad) or "backward", decided on the first micro-batch
 
     def loss_of(inputs) -> torch.Tensor:
-        with trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(model, inputs)
+        if trainer is None:
+            loss = _model_loss(model, inputs)
+        else:
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(model, inputs)
         if scaler is not None and scaler.is_enabled():  # a constant factor (the selection is scale-free): no underflow
             loss = scaler.scale(loss)
         return loss
@@ -144,17 +157,29 @@ def calibrate_fresh_masks(trainer, mask_scheduler, model, args, train_dataloader
             setattr(trainer, name, value)
 
 
-def calibrate_due_masks(callback, args, state, train_dataloader) -> list[dict]:
+def calibrate_due_masks(callback, args, state, train_dataloader, optimizer=None) -> list[dict]:
     """The adapter callback's calibration at ``on_step_begin``: the first masks of a fresh schedule, before its first
     optimizer step (:func:`calibrate_fresh_masks`); nothing otherwise. Returns the records (zero or one)."""
     masks = callback.mask_scheduler
     if not masks.calibration_due:
         return []
-    trainer = calling_trainer()
-    if trainer is None or train_dataloader is None:
+    trainer, model = callback._trainer, callback._model
+    why = None
+    if train_dataloader is None:
+        why = "no training data loader reached the callback"
+    elif trainer is None:
+        first = probe_batch(train_dataloader, 1, next(model.parameters()).device)
+        if not (hasattr(first, "keys") and "labels" in first.keys()):
+            why = ("the callback was not handed its Trainer (hf_lisa.trainer_callbacks.prepare_trainer), whose loss "
+                   "it would use, and the batches carry no labels for the model's own")
+    if why is not None:
         masks.calibration_due = False
-        logger.warning("LISA: no Trainer runs this callback, so the sparse masks calibrate in training: each fresh "
-                       "layer's first importance_steps trainable steps, with its update withheld.")
+        logger.warning("LISA: %s, so the sparse masks calibrate in training: each fresh layer's first "
+                       "importance_steps trainable steps, with its update withheld.", why)
         return []
-    record = calibrate_fresh_masks(trainer, masks, callback._model, args, train_dataloader, state.global_step)
+    if trainer is None:
+        logger.warning("LISA: the first sparse masks are calibrated on the model's own loss, since the callback was "
+                       "not handed its Trainer; a Trainer whose compute_loss differs trains another loss. "
+                       "hf_lisa.trainer_callbacks.prepare_trainer(trainer) calibrates on the Trainer's own.")
+    record = calibrate_fresh_masks(trainer, masks, model, args, train_dataloader, state.global_step, optimizer)
     return [] if record is None else [record]

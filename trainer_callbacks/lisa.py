@@ -1,22 +1,19 @@
 """Trainer callbacks that run LISA's schedule inside a plain ``transformers.Trainer``.
 
 * :class:`LisaCallback`: full-parameter LISA (Pan et al., 2024) on a plain transformers model: E+H+γL.
-* :class:`LisaAdapterCallback`: the same layer schedule for the adapters of a ``PeftModel`` with a ``LisaConfig``,
-  plus the sparse-mask re-selection.
+* :class:`LisaAdapterCallback`: the same for the adapters of a ``PeftModel`` with a ``LisaConfig``, plus the masks.
 
-The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at the right events:
+The decisions live in :mod:`hf_lisa.scheduler`; these callbacks call it at the events of any Trainer, through the
+objects the events hand over and torch's public hooks (the Trainer itself only where it is handed over:
+:func:`.setup.prepare_trainer`):
 
-* ``on_init_end``: prepare the Trainer being built (:func:`.setup.configure_trainer`): the LISA callbacks run before
-  the reporting integrations, and under DDP the wrap gets unused-parameter detection and the active-set all-reduce.
 * ``on_train_begin``: the Trainer has built the optimizer over every candidate parameter, prepared it and loaded any
   checkpoint; freeze everything but the first active set here (LMFlow #726), or restore the checkpointed schedule.
 * ``on_step_begin``: fires once per optimizer step, gradient accumulation included; switch when
   ``global_step % K == 0``, re-assert the trainable set otherwise, then let the mask schedule select and track (at a
   fresh schedule's first step, after calibrating the first masks with passes that train nothing: :mod:`.calibration`).
 * In the step's backward passes, through tensor hooks armed at the end of ``on_step_begin`` (:mod:`.gradients`):
-  zero the gradients the step withholds (frozen candidates re-enabled behind the schedule, sparse layers calibrating
-  in training) and add the interpolation penalty's ``2λβ``, so the Trainer's clip and ``grad_norm`` see exactly the
-  update.
+  zero the gradients the step withholds and add the interpolation penalty's ``2λβ``, before any clip or norm.
 * ``on_pre_optimizer_step`` (``complete_lisa_gradients``): clear the withheld gradients, fold the step's mask
   importance, feed the ``"importance"`` sampler.
 * ``on_optimizer_step``: project δ back into its bound.
@@ -24,9 +21,8 @@ The decisions live in :mod:`hf_lisa.scheduler`; these callbacks only call it at 
 
 Checkpoint and resume (:mod:`.state`): both callbacks are ``ExportableState``. The schedule's small values go to
 ``trainer_state.json``, its tensors (sampler generator, mask bookkeeping, importance accumulators) to
-``checkpoint-N/lisa_state.safetensors``; resuming from ``checkpoint-N`` follows the uninterrupted run exactly. How the
-callbacks find and prepare their Trainer, and the run's one engine check, are in :mod:`.setup`; what the two share
-(logging, the Trainer, the step's guard rails) in :mod:`.base`.
+``checkpoint-N/lisa_state.safetensors``; resuming from ``checkpoint-N`` follows the uninterrupted run exactly. The
+Trainer's preparation and the run's one engine check are in :mod:`.setup`; what the two share in :mod:`.base`.
 """
 
 from __future__ import annotations
@@ -153,8 +149,8 @@ class LisaCallback(_LisaCallbackBase):
             optimizer_state_policy=self.optimizer_state_policy,
             layers_attribute=self.layers_attribute,
         )
-        check_engine(args, model, optimizer, scheduler, form="full-parameter LISA")
-        self._check_configured(args)
+        self._check_trainer(args, model)
+        check_engine(args, model, optimizer, scheduler, form="full-parameter LISA", trainer=self._trainer)
         self._check_gradients_reachable(optimizer, ["importance sampling" if self.sampling == "importance" else ""])
         names = {id(p): n for n, p in model.named_parameters()}
         if scheduler.head_params:
@@ -178,6 +174,7 @@ class LisaCallback(_LisaCallbackBase):
         self.resume_state = None
         self._global_step = state.global_step
         self._install_gradient_hooks(optimizer)
+        self._relay("on_train_begin", args, state, control, model=model, optimizer=optimizer, **kwargs)
 
     def resolved_settings(self) -> dict[str, Any]:
         """The schedule's settings as this callback runs them (the names of ``training_summary.json``'s ``lisa``)."""
@@ -188,6 +185,7 @@ class LisaCallback(_LisaCallbackBase):
         if not self.layer_scheduler.maybe_switch(state.global_step, optimizer):
             self.layer_scheduler.enforce()
         self._arm_gradient_hooks()
+        self._relay("on_step_begin", args, state, control, optimizer=optimizer, **kwargs)
 
 
 class LisaAdapterCallback(_LisaCallbackBase):
@@ -358,8 +356,9 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 "to calibrate or re-select, no layer interpolation. The adapters train like LoRA; the callback can be "
                 "removed."
             )
-        check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching")
-        self._check_configured(args)
+        self._check_trainer(args, model)
+        check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching",
+                     trainer=self._trainer)
         self._check_gradients_reachable(optimizer, [
             "importance sampling" if layer_scheduler is not None and layer_scheduler.strategy == "importance" else "",
             "sparse-mask selection" if mask_scheduler is not None else "",
@@ -401,6 +400,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         self._global_step = state.global_step
         self._install_gradient_hooks(optimizer, tuner.interpolation_penalty_terms() if interpolation else ())
         attach_schedule(model, self)  # lets the tuner's guard admit training forwards (hf_lisa.tuner.schedule_guard)
+        self._relay("on_train_begin", args, state, control, model=model, optimizer=optimizer, **kwargs)
 
     def resolved_settings(self, model=None) -> dict[str, Any]:
         """The schedule's settings as this callback runs them on ``model``'s adapter (the one it trained last by
@@ -456,7 +456,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 self.layer_scheduler.enforce()
         if self.mask_scheduler is not None:
             probe = self._probe_loss if self._probe_batch is not None else None
-            records = calibrate_due_masks(self, args, state, train_dataloader)  # a fresh schedule's first step only
+            records = calibrate_due_masks(self, args, state, train_dataloader, optimizer)  # a fresh schedule's only
             records += self.mask_scheduler.step(state.global_step, probe)
             for record in records:
                 if record["kind"] == "calibration":
@@ -478,6 +478,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
                     )
                 self._pending_logs.update(logs)
         self._arm_gradient_hooks()
+        self._relay("on_step_begin", args, state, control, optimizer=optimizer, **kwargs)
 
     def _apply_penalty(self, optimizer, added: frozenset) -> None:
         if self._tuner is not None:
@@ -488,6 +489,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self._tuner is not None:
             self._tuner.project_interpolation_delta()
+        super().on_optimizer_step(args, state, control, **kwargs)
 
     def on_train_end(self, args, state, control, **kwargs):
         super().on_train_end(args, state, control, **kwargs)

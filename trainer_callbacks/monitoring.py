@@ -110,7 +110,7 @@ class TrainingMonitorCallback(TrainerCallback):
         from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
 
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
-            trainer.callback_handler.callbacks.append(self)
+            trainer.add_callback(self)
         run_before_reporting_integrations(trainer, [self])
         return self
 

@@ -70,14 +70,16 @@ step until one changed, then the samples alone until a step at the full rate is 
 each rank fingerprints its own shards and the ranks agree on the verdict (an all-reduce or two per checked step).
 Under DeepSpeed ZeRO-3 (parameters partitioned away) the guard is off, with a warning.
 
-``hf-lisa train`` and ``LisaTrainer`` run one with ``check_steps=3``; the LISA callbacks add one to a plain
-``transformers.Trainer`` (:func:`add_progress_guard`). To change or turn it off, pass your own:
+``hf-lisa train`` and ``LisaTrainer`` run one with ``check_steps=3``; the LISA callbacks add one to a Trainer they
+are handed (:func:`add_progress_guard`, through ``prepare_trainer``), and in a Trainer they are not handed, each
+runs one itself (``run_by``). To change or turn it off, pass your own, which stands:
 ``Trainer(callbacks=[LisaCallback(...), TrainingProgressGuard(check_steps=0)])``.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -87,6 +89,17 @@ from hf_lisa.errors import NothingTrainedError
 from hf_lisa.optim.in_backward import check_in_backward_arguments, steps_in_backward
 
 logger = logging.getLogger(__name__)
+
+#: the guards of each run, by ``id`` of its ``TrainerState`` (the object every callback of a Trainer is handed; not
+#: hashable), kept while the state lives: a guard run by a LISA callback stands back for one the Trainer holds
+_RUNNING: dict[int, list] = {}
+
+
+def _register(state, guard) -> None:
+    if id(state) not in _RUNNING:
+        _RUNNING[id(state)] = []
+        weakref.finalize(state, _RUNNING.pop, id(state), None)
+    _RUNNING[id(state)].append(guard)
 
 __all__ = ["TrainingProgressGuard", "add_progress_guard"]
 
@@ -198,7 +211,7 @@ class TrainingProgressGuard(TrainerCallback):
     """
 
     def __init__(self, check_steps: int = 3, sample_size: int = 1024, min_update: Optional[float] = None,
-                 warn_update: Optional[float] = None) -> None:
+                 warn_update: Optional[float] = None, run_by: Any = None) -> None:
         if not isinstance(check_steps, int) or isinstance(check_steps, bool) or check_steps < 0:
             raise ValueError(f"check_steps={check_steps!r} is invalid; allowed: an integer >= 0 (0 turns it off).")
         if not isinstance(sample_size, int) or isinstance(sample_size, bool) or sample_size < 1:
@@ -217,7 +230,7 @@ class TrainingProgressGuard(TrainerCallback):
         self._armed = False
         self._moving = False  # a step changed weights below the full rate (warmup): only their size is left to judge
         self._first_checked: Optional[int] = None
-        self._callbacks: list = []  # the Trainer's callbacks: the LISA callbacks say which updates they withhold
+        self._run_by = run_by  # the LISA callback that runs this guard itself (its Trainer was not handed over)
         self._grads_visible = True  # False under DeepSpeed (gradients in its own buffers)
         self._snapshot: Optional[dict[int, tuple[str, torch.nn.Parameter, _Fingerprint]]] = None
         self._hooks_norm: Optional[float] = None
@@ -230,13 +243,12 @@ class TrainingProgressGuard(TrainerCallback):
         self._moving, self.update_size, self._seen, self._rates = False, None, {}, []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        from .setup import calling_trainer
+        from hf_lisa.distributed import detect_engine
 
         if steps_in_backward(optimizer) is not None:  # a plain Trainer given such an optimizer: the command's rules
             check_in_backward_arguments(args, check_optim=False)
-        trainer = calling_trainer()
-        self._callbacks = list(trainer.callback_handler.callbacks) if trainer is not None else []
-        deepspeed = getattr(trainer, "is_deepspeed_enabled", False) if trainer is not None else bool(args.deepspeed)
+        _register(state, self)
+        deepspeed = bool(args.deepspeed) or detect_engine(model, optimizer) == "deepspeed"
         self._grads_visible = not deepspeed
         self._arm()
         if self._armed and model is not None and any(hasattr(p, "ds_tensor") for p in model.parameters()):
@@ -250,6 +262,9 @@ class TrainingProgressGuard(TrainerCallback):
             self._arm()
 
     def on_train_end(self, args, state, control, **kwargs):
+        running = _RUNNING.get(id(state), [])
+        if self in running:
+            running.remove(self)
         if self._armed and self.checked and self._seen.get("size") is not None:  # ended before the check did
             logger.warning("TrainingProgressGuard: %s, and the run ended before %d steps were checked. %s.",
                            self._size_evidence(self.warn_update), self.check_steps, "R" + self._fix()[1:])
@@ -268,7 +283,18 @@ class TrainingProgressGuard(TrainerCallback):
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad or id(p) in held]
 
+    def _stands_back(self, state) -> bool:
+        """A guard run by a LISA callback stands back for a guard the Trainer holds (a user's choice stands), and for
+        the guard of another LISA callback of the same run that started first."""
+        if self._run_by is None:
+            return False
+        running = _RUNNING.get(id(state), [])
+        own = [g for g in running if g._run_by is not None]
+        return any(g._run_by is None for g in running) or (bool(own) and own[0] is not self)
+
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._armed and self._stands_back(state):
+            self._armed = False
         if not self._armed or model is None:
             return
         self._hooks_norm = None
@@ -281,10 +307,15 @@ class TrainingProgressGuard(TrainerCallback):
         if self._snapshot is not None and stepping is not None:  # its hooks applied (and freed) the gradients
             self._hooks_norm = stepping.grad_norm()
 
-    def _withheld(self) -> set[int]:
+    def _withheld(self, model) -> set[int]:
+        """What the LISA schedules run on ``model`` withhold in this step (sparse layers calibrating in training)."""
+        from hf_lisa.tuner.schedule_guard import schedule_owners
+
+        owners = [self._run_by] if self._run_by is not None else []
+        owners += schedule_owners(model) if model is not None else []
         ids = set()
-        for callback in self._callbacks:
-            scheduler = getattr(callback, "mask_scheduler", None)
+        for owner in owners:
+            scheduler = getattr(owner, "mask_scheduler", None)
             ids.update(id(p) for p in getattr(scheduler, "withheld", None) or ())
         return ids
 
@@ -292,7 +323,7 @@ class TrainingProgressGuard(TrainerCallback):
         snapshot, self._snapshot = self._snapshot, None
         if not self._armed or snapshot is None or getattr(optimizer, "step_was_skipped", False):
             return
-        withheld = self._withheld()
+        withheld = self._withheld(kwargs.get("model"))
         trainable = [(n, p) for n, p, _ in snapshot.values() if p.requires_grad and id(p) not in withheld]
         if withheld and not trainable:  # every update deliberately withheld (mask calibration): wait
             return

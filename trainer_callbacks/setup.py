@@ -1,50 +1,56 @@
-"""How the LISA callbacks find and prepare the ``transformers.Trainer`` that runs them.
+"""How the LISA callbacks are handed and prepare the ``transformers.Trainer`` that runs them.
 
-* :func:`configure_trainer`: the LISA callbacks run before the reporting integrations, and under DDP the wrap gets
-  unused-parameter detection and the active-set all-reduce (:func:`hf_lisa.distributed.configure_trainer_for_lisa`).
+A Trainer does not pass itself to its callbacks' events, and the callbacks never look for it (no stack frames): what
+they do with the objects the events hand over (model, optimizer, arguments, data loader) is complete in any Trainer.
+A few things need the Trainer object itself, and it is handed over explicitly, as transformers' own
+``JITCheckpointCallback.set_trainer`` is: :func:`prepare_trainer` (``LisaTrainer``, the axolotl plugin and
+:func:`hf_lisa.distributed.configure_trainer_for_lisa` call it).
+
+* :func:`prepare_trainer` / :func:`configure_trainer`: under DDP the wrap gets unused-parameter detection and the
+  active-set all-reduce (:func:`hf_lisa.distributed.configure_trainer_for_lisa`), the LISA callbacks run before the
+  reporting integrations, a :class:`~.progress.TrainingProgressGuard` joins, and the first sparse masks are
+  calibrated through the Trainer's own ``compute_loss``.
 * :func:`check_engine`: the run's one engine check (:func:`hf_lisa.distributed.check_layer_switching_supported`), as
   training begins; :func:`check_lisa_training_setup` is its public alias for a Trainer's arguments.
-* The Trainer itself, found on the call stack (:func:`calling_trainer`), the fixed batch on which the adapter callback
-  measures the loss around a mask re-selection (:func:`probe_batch`), and the adapter's tuner and loss scale.
+* The fixed batch on which the adapter callback measures the loss around a mask re-selection (:func:`probe_batch`),
+  and the adapter's tuner and loss scale.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
 CONFIGURED = "_hf_lisa_configured"  # set on the Trainer by hf_lisa.distributed.configure_trainer_for_lisa
 
-__all__ = ["check_engine", "check_lisa_training_setup", "configure_trainer"]
+__all__ = ["check_engine", "check_lisa_training_setup", "configure_trainer", "prepare_trainer"]
+
+#: set on the LISA callbacks (and read by hf_lisa.distributed.configure_trainer_for_lisa, which cannot import them)
+WANTS_TRAINER = "_hf_lisa_wants_trainer"
 
 
-def trainer_frame() -> Optional[FrameType]:
-    """The frame of the ``transformers.Trainer`` method whose event is running (``None`` outside a Trainer).
+def prepare_trainer(trainer) -> list:
+    """Hand ``trainer`` to every LISA callback it holds, which prepares it (:func:`configure_trainer`); idempotent.
+    Returns those callbacks.
 
-    Trainer events do not receive the Trainer itself, but a LISA callback must adjust it before ``train()`` wraps the
-    model, order the callbacks and know which checkpoint is resumed. The Trainer is the ``self`` of a frame a few
-    levels up: ``Trainer.__init__`` for ``on_init_end``, the training loop otherwise.
+    Call it after building a Trainer with LISA callbacks, before ``trainer.train()``, where its features are wanted:
+    a plain ``Trainer`` or TRL trainer runs the callbacks without it, except under DDP, which needs it (the callbacks
+    refuse to start there otherwise). ``LisaTrainer`` calls it itself.
+
+    Example:
+        ```py
+        >>> from hf_lisa.trainer_callbacks import LisaCallback, prepare_trainer
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[LisaCallback()])  # doctest: +SKIP
+        >>> prepare_trainer(trainer)  # doctest: +SKIP
+        ```
     """
-    from transformers import Trainer
+    ours = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, WANTS_TRAINER, False)]
+    for callback in ours:
+        callback.set_trainer(trainer)
+    return ours
 
-    frame = sys._getframe(1)
-    for _ in range(12):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        if isinstance(frame.f_locals.get("self"), Trainer):
-            return frame
-    return None
-
-
-def calling_trainer():
-    """The ``transformers.Trainer`` whose event is running, found on the call stack (``None`` outside a Trainer)."""
-    frame = trainer_frame()
-    return None if frame is None else frame.f_locals["self"]
 
 
 def launched_world_size() -> int:
@@ -55,31 +61,33 @@ def launched_world_size() -> int:
 def configure_trainer(trainer, lisa_callbacks: Sequence) -> None:
     """Prepare a Trainer for the LISA callbacks it holds; idempotent.
 
-    * ``lisa_callbacks`` move ahead of the reporting integrations (TensorBoard, W&B, ...) and the printer, which
-      ``Trainer`` registers before user callbacks, so the values they add in ``on_log`` reach all of them.
     * Under DDP, :func:`hf_lisa.distributed.configure_trainer_for_lisa` (unused-parameter detection, the active-set
       all-reduce, the wrap check after ``evaluate()``), unless the user already called it.
+    * ``lisa_callbacks`` and the engine's callbacks run ahead of the reporting integrations (TensorBoard, W&B, ...)
+      and the printer, which ``Trainer`` registers before user callbacks, so the values they add in ``on_log`` reach
+      all of them.
     """
     from hf_lisa.trainer_callbacks.ordering import run_before_reporting_integrations
 
-    run_before_reporting_integrations(trainer, lisa_callbacks)
-    if getattr(trainer, CONFIGURED, False):
-        return
-    from hf_lisa.distributed import configure_trainer_for_lisa
+    if not getattr(trainer, CONFIGURED, False):
+        from hf_lisa.distributed import configure_trainer_for_lisa
 
-    configure_trainer_for_lisa(trainer)
+        configure_trainer_for_lisa(trainer)
+    engine = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "_hf_lisa_engine_callback", False)]
+    run_before_reporting_integrations(trainer, [*lisa_callbacks, *engine])
 
 
-def check_engine(args, model, optimizer, scheduler, form: str) -> str:
+def check_engine(args, model, optimizer, scheduler, form: str, trainer=None) -> str:
     """The run's one engine check, as training begins (the LISA callbacks' ``on_train_begin``).
 
     Calls :func:`hf_lisa.distributed.check_layer_switching_supported` with the Trainer's wrapped model (DDP, FSDP or
-    DeepSpeed engine), its optimizer and arguments, and the candidates of ``scheduler`` (a ``LayerwiseScheduler``, or
-    ``None`` when no layer switches: then nothing is refused).
+    DeepSpeed engine) when the callback was handed the ``trainer``, else the model its events carry (with the
+    optimizer, that identifies DeepSpeed and FSDP; a run of several processes is not started without the Trainer),
+    its optimizer and arguments, and the candidates of ``scheduler`` (a ``LayerwiseScheduler``, or ``None`` when no
+    layer switches: then nothing is refused).
     """
     from hf_lisa.distributed import check_layer_switching_supported
 
-    trainer = calling_trainer()
     return check_layer_switching_supported(
         trainer.model_wrapped if trainer is not None else model,
         optimizer,

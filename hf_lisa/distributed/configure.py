@@ -22,7 +22,7 @@ def _ddp_callback(handler, trainer):
 
         _hf_lisa_engine_callback = True
 
-        def _unmark_evaluation_prepare(self) -> None:
+        def unmark_evaluation_prepare(self) -> None:
             # accelerate (1.15) flags a model prepared for evaluation -- which is not wrapped in DDP -- as prepared,
             # and train() then skips the DDP wrap: trainer.evaluate() before trainer.train() would leave the ranks
             # training unsynchronised copies
@@ -31,10 +31,10 @@ def _ddp_callback(handler, trainer):
                 model._is_accelerate_prepared = False
 
         def on_evaluate(self, args, state, control, **kwargs):
-            self._unmark_evaluation_prepare()
+            self.unmark_evaluation_prepare()
 
         def on_predict(self, args, state, control, metrics=None, **kwargs):
-            self._unmark_evaluation_prepare()
+            self.unmark_evaluation_prepare()
 
         def on_train_begin(self, args, state, control, **kwargs):
             if not _is_ddp(trainer.model_wrapped):
@@ -87,13 +87,29 @@ def configure_trainer_for_lisa(
         >>> trainer.train()  # doctest: +SKIP
         ```
     """
-    # a second call (hf-lisa train after the callbacks' own call from on_init_end, or user code) replaces the first
-    trainer.callback_handler.callbacks[:] = [
-        cb for cb in trainer.callback_handler.callbacks if not getattr(cb, "_hf_lisa_engine_callback", False)
-    ]
+    # a second call (hf-lisa train after LisaTrainer's own, or user code) replaces the first
+    for callback in list(trainer.callback_handler.callbacks):
+        if getattr(callback, "_hf_lisa_engine_callback", False):
+            trainer.callback_handler.remove_callback(callback)
     handler = _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_start_iter, active_set_sync)
     trainer._hf_lisa_configured = True
+    # the LISA callbacks are handed the Trainer (hf_lisa.trainer_callbacks.prepare_trainer: they order the logs'
+    # readers after themselves and the engine's callbacks); marked, since this layer does not import them
+    for callback in list(trainer.callback_handler.callbacks):
+        if getattr(callback, "_hf_lisa_wants_trainer", False):
+            callback.set_trainer(trainer)
     return handler
+
+
+def _add_first(trainer, callback) -> None:
+    """Add ``callback`` to ``trainer`` first in line, ahead of the LISA callbacks and of whatever reads the logs (the
+    others move behind it in their order, through the callback handler's public ``pop_callback`` / ``add_callback``)."""
+    handler = trainer.callback_handler  # its methods, not the Trainer's (a subclass may extend add_callback)
+    others = list(handler.callbacks)
+    handler.add_callback(callback)
+    for other in others:
+        handler.pop_callback(other)
+        handler.add_callback(other)
 
 
 def _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_start_iter, active_set_sync):
@@ -104,7 +120,7 @@ def _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_star
     name = _normalise_comm_hook(comm_hook)
     distributed_type = accelerator.distributed_type
     if getattr(trainer, "is_fsdp_enabled", False):
-        trainer.callback_handler.callbacks.insert(0, _fsdp2_fix_callback())  # before the LISA callbacks freeze
+        _add_first(trainer, _fsdp2_fix_callback())  # before the LISA callbacks freeze
         if name != "none":
             warnings.warn(f"ddp_comm_hook={comm_hook!r} is ignored under FSDP (DDP communication hooks only).")
         return None
@@ -138,6 +154,8 @@ def _configure_trainer_for_lisa(trainer, comm_hook, powersgd_rank, powersgd_star
         **carried,
     )
     accelerator.ddp_handler = handler
-    # first in line, so that the printer and the reporting integrations see the values it adds to the logs
-    trainer.callback_handler.callbacks.insert(0, _ddp_callback(handler, trainer))
+    # first in line, so that every printer and reporting integration sees the values it adds to the logs
+    callback = _ddp_callback(handler, trainer)
+    _add_first(trainer, callback)
+    callback.unmark_evaluation_prepare()  # an evaluate() already run before this call
     return handler

@@ -223,7 +223,7 @@ class LisaPlugin(BasePlugin):
         return get_peft_model(model, config), config
 
     def add_callbacks_pre_trainer(self, cfg, model) -> list:
-        """The LISA callback, given to the Trainer's constructor so that it prepares the Trainer at ``on_init_end``."""
+        """The LISA callback, given to the Trainer's constructor (``post_trainer_create`` hands it the Trainer)."""
         return lisa_callbacks(cfg)
 
     def post_trainer_create(self, cfg, trainer) -> None:
@@ -243,6 +243,10 @@ class LisaPlugin(BasePlugin):
         if lisa_form(cfg) is not None and not ours:
             raise RunError("The LISA plugin's callback is not in the trainer: this axolotl trainer builder did not "
                            "call the plugins' add_callbacks_pre_trainer. Please report it with your axolotl version.")
+        if ours:
+            from hf_lisa.trainer_callbacks import prepare_trainer
+
+            prepare_trainer(trainer)  # DDP preparation, the logs' order, the progress guard, calibration's loss
 
 
 __all__ = ["ADAPTER", "AXOLOTL_KEYS", "LisaPlugin", "lisa_adapter_config", "lisa_callbacks", "lisa_form"]

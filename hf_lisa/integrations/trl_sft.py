@@ -189,6 +189,8 @@ def run(script_args, training_args, model_args, dataset_args, lisa_args):
     from datasets import load_dataset
     from trl import SFTTrainer, get_dataset, get_quantization_config
 
+    from hf_lisa.trainer_callbacks import prepare_trainer
+
     peft_config, callbacks = lisa_peft_config_and_callbacks(model_args, lisa_args, seed=training_args.seed)
     model_init_kwargs = dict(
         revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -214,6 +216,7 @@ def run(script_args, training_args, model_args, dataset_args, lisa_args):
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    prepare_trainer(trainer)  # the LISA callbacks are handed the Trainer (DDP under accelerate launch, logs, guard)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:

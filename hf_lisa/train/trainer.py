@@ -15,6 +15,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 
 from ..optim.in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
 from ..trainer_callbacks.progress import TrainingProgressGuard
+from ..trainer_callbacks.setup import prepare_trainer
 from ..trainer_callbacks.state import ScheduleCheckpoint
 from ..optim.chunked_loss import install_chunked_loss
 from ..optim.memory import (
@@ -141,6 +142,8 @@ class LisaTrainer(Trainer):
         if not any(isinstance(cb, TrainingProgressGuard) or cb is TrainingProgressGuard for cb in callbacks):
             callbacks.append(TrainingProgressGuard(check_steps=progress_check_steps))  # a given one stands
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        prepare_trainer(self)  # the LISA callbacks are handed this Trainer (transformers' events do not pass it)
+        self._lisa_prepared = True
         self.chunked_loss = chunked_loss and install_chunked_loss(self.model)
         on_cpu = self.args.device.type == "cpu"
         applied = apply_cpu_allocator(cpu_allocator, on_cpu=on_cpu)  # "lean"; hf-lisa train applied it already
@@ -162,6 +165,12 @@ class LisaTrainer(Trainer):
         self._staging: Optional[str] = None  # the staging folder of the checkpoint being written
         self._whole_run_loss = _WholeRunLoss()
         self.add_callback(self._whole_run_loss)
+
+    def add_callback(self, callback) -> None:
+        """``Trainer.add_callback``; a LISA callback added later is handed this Trainer too (``prepare_trainer``)."""
+        super().add_callback(callback)
+        if getattr(self, "_lisa_prepared", False):  # Trainer.__init__ adds its printer before the callbacks are ready
+            prepare_trainer(self)
 
     def create_optimizer(self, model=None):
         opt_model = self.model if model is None else model

@@ -194,6 +194,15 @@ def detach_schedule(model: nn.Module, owner: object) -> None:
         owners[:] = [o for o in owners if o is not owner]
 
 
+def schedule_owners(model: nn.Module) -> list:
+    """The objects that declared they run the schedule of a guarded model inside ``model`` (:func:`attach_schedule`),
+    each once."""
+    found: list = []
+    for module in _guarded_modules(model):
+        found += [o for o in module.__dict__[_OWNERS] if not any(o is f for f in found)]
+    return found
+
+
 def schedule_attached(model: nn.Module) -> bool:
     """Whether some owner declared that it runs the schedule of every guarded model inside ``model``."""
     guarded = _guarded_modules(model)

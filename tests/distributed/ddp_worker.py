@@ -103,7 +103,7 @@ def run_user_code(output_dir: str) -> dict:
     from transformers import Trainer, TrainerCallback
 
     import hf_lisa
-    from hf_lisa.trainer_callbacks import LisaAdapterCallback
+    from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 
     def build(lam: float):
         config = hf_lisa.LisaConfig(r=4, target_modules=["q_proj", "v_proj"], lisa_activated_layers=1,
@@ -119,6 +119,7 @@ def run_user_code(output_dir: str) -> dict:
     callback = LisaAdapterCallback(seed=SEED)
     trainer = Trainer(model=model, args=training_args(output_dir, 2, 4), train_dataset=PatternDataset(),
                       eval_dataset=PatternDataset(num_examples=8), callbacks=[callback])
+    prepare_trainer(trainer)  # user code hands the Trainer to the callbacks (a Trainer does not pass itself)
     trainer.evaluate()
     trainer.train()
     weights = {n: p.detach() for n, p in model.named_parameters() if "lisa_" in n}
@@ -136,8 +137,11 @@ def run_user_code(output_dir: str) -> dict:
         probe_model = build(lam)
         probe = BetaGrad(probe_model)
         probe.lam = lam
-        Trainer(model=probe_model, args=training_args(os.path.join(output_dir, f"beta{lam}"), 2, 1, learning_rate=0.0),
-                train_dataset=PatternDataset(), callbacks=[LisaAdapterCallback(seed=SEED), probe]).train()
+        probe_trainer = Trainer(model=probe_model, train_dataset=PatternDataset(),
+                                args=training_args(os.path.join(output_dir, f"beta{lam}"), 2, 1, learning_rate=0.0),
+                                callbacks=[LisaAdapterCallback(seed=SEED), probe])
+        prepare_trainer(probe_trainer)
+        probe_trainer.train()
     return {
         "wrapped": type(trainer.model_wrapped).__name__,
         "weights_crc": {n: zlib.crc32(t.contiguous().numpy().tobytes()) for n, t in weights.items()},
@@ -152,13 +156,15 @@ def run_refusals(output_dir: str) -> dict:
     from transformers import Trainer
 
     from hf_lisa.distributed import UnsupportedEngineError, ddp_kwargs_for_lisa
-    from hf_lisa.trainer_callbacks import LisaCallback
+    from hf_lisa.trainer_callbacks import LisaCallback, prepare_trainer
 
     out = {}
     args = training_args(output_dir, 2, 2, activation_checkpointing=True,
                          activation_checkpointing_kwargs={"use_reentrant": True})
     try:  # the run's one engine check, as training begins, sees the checkpointed model inside the DDP wrap
-        Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)]).train()
+        refused = Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(), callbacks=[LisaCallback(1, 2)])
+        prepare_trainer(refused)
+        refused.train()
         out["reentrant_checkpointing"] = None
     except UnsupportedEngineError as err:
         out["reentrant_checkpointing"] = str(err)
