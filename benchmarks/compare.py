@@ -92,7 +92,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     if device_name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False; use --device cpu.")
     set_seed(preset.seed)
-    from hf_lisa.optim.memory import apply_cpu_allocator
+    from hf_lisa.optim import apply_cpu_allocator
 
     allocator = apply_cpu_allocator(preset.cpu_allocator, on_cpu=device_name == "cpu")  # as hf-lisa train does
 

@@ -265,8 +265,8 @@ def peer_trainer_class():
     backward pass), as ``hf_lisa.train.LisaTrainer`` applies them. Nothing else of hf-lisa's Trainer."""
     from transformers import Trainer
 
-    from hf_lisa.optim.chunked_loss import install_chunked_loss
-    from hf_lisa.optim.memory import heap_trim
+    from hf_lisa.optim import install_chunked_loss
+    from hf_lisa.optim import heap_trim
 
     class PeerTrainer(Trainer):
         def __init__(self, *args, chunked_loss: bool = True, cpu_allocator: str = "default", **kwargs):

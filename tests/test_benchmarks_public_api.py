@@ -34,27 +34,13 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 #: packages whose names are not public for benchmarks, whatever their ``__all__`` says (see the module docstring)
 APPLICATION_PACKAGES = ("hf_lisa.train",)
 
-#: benchmark modules exempted, with why. The study of issue 37 (``benchmarks/study.py``) runs from these modules while
-#: this test was written and may not be edited until it finishes; they use ``hf_lisa.models`` and ``hf_lisa.demo_task``,
-#: which have no ``__all__`` (the bundled model's path, the demo task's rows). Once those modules declare an
-#: ``__all__`` (see WAITING_FOR) the exemptions go stale and ``test_exemptions_are_still_needed`` says so.
-EXEMPT = {
-    "study_run.py": "the running issue-37 study imports it (hf_lisa.models.default_model_path)",
-    "tasks.py": "the running issue-37 study imports it (hf_lisa.demo_task.*, hf_lisa.models.cache_dir)",
-}
+#: benchmark modules exempted, with why (none: the study's modules use only public names since hf_lisa.models and
+#: hf_lisa.demo_task declare an __all__).
+EXEMPT: dict[str, str] = {}
 
 #: what the remaining non-public uses wait for: hf-lisa offers no public name for them yet (a benchmark may not change
 #: hf_lisa/ to get one). Module or name prefix -> the public surface that would replace it.
 WAITING_FOR = {
-    "hf_lisa.models.": "an __all__ in hf_lisa.models (DEFAULT_MODEL_ID, default_model_path, cache_dir): the bundled "
-                       "model is what `hf-lisa demo` and the default --model_name_or_path train, a user's own Trainer "
-                       "needs its path",
-    "hf_lisa.demo_task.": "an __all__ in hf_lisa.demo_task (NAMES, OBJECTS, cached_dataset_files): the bundled task's "
-                          "files, which docs and examples train on",
-    "hf_lisa.optim.memory.": "apply_cpu_allocator and heap_trim in hf_lisa.optim.__all__: hf-lisa train's "
-                             "--cpu_allocator lever, which a plain Trainer needs for the same memory",
-    "hf_lisa.optim.chunked_loss.": "install_chunked_loss in hf_lisa.optim.__all__: hf-lisa train's --chunked_loss "
-                                   "lever, idem",
     "hf_lisa.train.data": "the data pipeline as a public sub-room (issue 34 item 2): load_raw_datasets, "
                           "tokenize_datasets, data_collator, use_chat_template, TokenizationReport",
     "hf_lisa.train.packing.": "prepare_packing with the public data pipeline",
@@ -66,7 +52,7 @@ WAITING_FOR = {
 #: an entry no longer used: the list only shrinks.
 STILL_USED = {
     "compare.py": {
-        "hf_lisa.optim.memory.apply_cpu_allocator", "hf_lisa.train.DataArguments", "hf_lisa.train.LisaArguments",
+        "hf_lisa.train.DataArguments", "hf_lisa.train.LisaArguments",
         "hf_lisa.train.LisaTrainer", "hf_lisa.train.ModelArguments", "hf_lisa.train.apply_method",
         "hf_lisa.train.data", "hf_lisa.train.data.TokenizationReport", "hf_lisa.train.data.data_collator",
         "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
@@ -74,25 +60,21 @@ STILL_USED = {
         "hf_lisa.train.generation_rows", "hf_lisa.train.load_model_and_tokenizer", "hf_lisa.train.resolve_model_path",
     },
     "mask_reselection.py": {
-        "hf_lisa.demo_task.cached_dataset_files", "hf_lisa.models.DEFAULT_MODEL_ID", "hf_lisa.models.default_model_path",
         "hf_lisa.train.data", "hf_lisa.train.data.data_collator", "hf_lisa.train.data.load_raw_datasets",
         "hf_lisa.train.data.tokenize_datasets",
     },
     "packing.py": {
-        "hf_lisa.demo_task.cached_dataset_files", "hf_lisa.models.default_model_path", "hf_lisa.train.LisaTrainer",
+        "hf_lisa.train.LisaTrainer",
         "hf_lisa.train.apply_method", "hf_lisa.train.data", "hf_lisa.train.data.data_collator",
         "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
         "hf_lisa.train.packing.prepare_packing", "hf_lisa.train.parse_args",
     },
     "peak_breakdown.py": {
-        "hf_lisa.optim.chunked_loss.install_chunked_loss", "hf_lisa.optim.memory.apply_cpu_allocator",
-        "hf_lisa.optim.memory.heap_trim", "hf_lisa.train.ModelArguments", "hf_lisa.train.data",
+        "hf_lisa.train.ModelArguments", "hf_lisa.train.data",
         "hf_lisa.train.data.data_collator", "hf_lisa.train.data.load_raw_datasets",
         "hf_lisa.train.data.tokenize_datasets", "hf_lisa.train.load_model_and_tokenizer",
         "hf_lisa.train.resolve_model_path",
     },
-    "peers.py": {"hf_lisa.optim.chunked_loss.install_chunked_loss", "hf_lisa.optim.memory.heap_trim"},
-    "progress_threshold.py": {"hf_lisa.models.default_model_path"},
     "scaling.py": {"hf_lisa.train.LisaArguments", "hf_lisa.train.LisaTrainer", "hf_lisa.train.apply_method"},
 }
 

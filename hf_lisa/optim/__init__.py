@@ -19,14 +19,20 @@ bitsandbytes is imported only by :mod:`.adamw_8bit`, when it is used.
 
 from __future__ import annotations
 
+from .chunked_loss import install_chunked_loss
 from .in_backward import AdamWInBackward, StepsInBackward, check_in_backward_arguments, steps_in_backward
+from .memory import HeapTrim, apply_cpu_allocator, heap_trim
 from .state import drop_optimizer_state, optimizer_state_bytes, unwrap_optimizer
 
 __all__ = [
     "AdamWInBackward",
+    "HeapTrim",
     "StepsInBackward",
+    "apply_cpu_allocator",
     "check_in_backward_arguments",
     "drop_optimizer_state",
+    "heap_trim",
+    "install_chunked_loss",
     "optimizer_state_bytes",
     "steps_in_backward",
     "unwrap_optimizer",
