@@ -250,10 +250,9 @@ class LisaModel(BaseTuner):
     def interpolation_penalty(self) -> torch.Tensor:
         """λ·Σ_l β_l² summed over the active adapters that use layer interpolation (seed 001)."""
         total = None
-        for name in self.active_adapters:
-            if name in self.lisa_interp_beta:
-                term = self.peft_config[name].interpolation_beta_l2 * self.lisa_interp_beta[name].pow(2).sum()
-                total = term if total is None else total + term
+        for beta, lam in self.interpolation_penalty_terms():
+            term = lam * beta.pow(2).sum()
+            total = term if total is None else total + term
         if total is None:
             return torch.zeros((), device=next(self.model.parameters()).device)
         return total
