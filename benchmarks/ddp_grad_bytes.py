@@ -75,7 +75,7 @@ def main() -> None:
                         compress=torch.float16))
     model = build()
     rows.append(measure(f"LISA {args.gamma}L (no E+H)", model,
-                        LayerwiseScheduler(model, args.gamma, 1, always_trainable=())))
+                        LayerwiseScheduler(model, args.gamma, 1, lisa_always_trainable=())))
     lora = get_peft_model(build(), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     rows.append(measure("LoRA r16 all-linear", lora))
     if dist.get_rank() == 0:

@@ -153,8 +153,8 @@ def build(method, model, lr: float, seed: int, steps: int) -> tuple[Any, list, t
         from hf_lisa.trainer_callbacks import LisaCallback
 
         always = method.option("always")
-        callback = LisaCallback(activated_layers=method.option("gamma"), interval_steps=method.option("K"),
-                                seed=seed, **({} if always is None else {"always_trainable": ()}))
+        callback = LisaCallback(lisa_activated_layers=method.option("gamma"), lisa_interval_steps=method.option("K"),
+                                seed=seed, **({} if always is None else {"lisa_always_trainable": ()}))
         return model, [callback], (None, None), {}
     if kind == "badam":
         from badam import BlockOptimizer

@@ -36,8 +36,9 @@ raw = load_task_or_file(args.train_file)  # your file, or the bundled arithmetic
 datasets, _ = tokenize_datasets(raw, tokenizer, max_seq_length=256)
 
 lisa = LisaCallback(
-    activated_layers=args.activated_layers, interval_steps=args.interval_steps, sampling="uniform", seed=42,
-    always_trainable=("embeddings", "lm_head", "norm"), optimizer_state_policy="drop",
+    lisa_activated_layers=args.activated_layers, lisa_interval_steps=args.interval_steps, lisa_sampling="uniform",
+    seed=42,
+    lisa_always_trainable=("embeddings", "lm_head", "norm"), lisa_optimizer_state_policy="drop",
 )
 training_args = TrainingArguments(
     args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8, learning_rate=args.learning_rate,

@@ -7,7 +7,7 @@
 The difference from ``finetune_causal_lm.py``: TRL tokenises the rows (prompt/completion or chat ``messages``, loss on
 the completion) and wraps the model itself. The ``LisaConfig`` goes to ``SFTTrainer`` as ``peft_config``;
 ``LisaAdapterCallback`` decides which blocks' adapters train, as in a plain ``Trainer``. Full-parameter LISA works the
-same way: no ``peft_config``, and ``callbacks=[LisaCallback(activated_layers=2, interval_steps=20)]``.
+same way: no ``peft_config``, and ``callbacks=[LisaCallback(lisa_activated_layers=2, lisa_interval_steps=20)]``.
 
 Needs TRL: ``pip install "hf-lisa[trl]"``.
 """

@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lisa = summary["lisa"]
     title = f"{summary['base_model']} | method={summary['method']}"
     if METHODS[summary["method"]].samples_layers:
-        title += f" (γ={lisa.get('activated_layers')}, K={lisa.get('interval_steps')})"
+        title += f" (γ={lisa.get('lisa_activated_layers')}, K={lisa.get('lisa_interval_steps')})"
     title += f" | {summary['hyperparameters']['max_steps']} steps"
     out = [f"\n=== hf-lisa demo: {title} ===", f"{'':16}{'before':>10}{'after':>10}"]
     for label, key in rows:

@@ -39,7 +39,7 @@ def test_one_index_per_model_serves_llrd_schedule_monitor_and_summary(tmp_path, 
     monkeypatch.setattr(BlockIndex, "__init__", counting_init)
     model = build_tiny_llama(num_layers=4)
     optimizer = torch.optim.AdamW(layerwise_lr_decay_param_groups(model, lr=1e-2, decay=0.9))
-    lisa = LisaCallback(activated_layers=1, interval_steps=2, seed=0)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=0)
     recorder = _SummaryAtTrainBegin()
     trainer = Trainer(
         model=model, args=build_training_args(tmp_path, max_steps=2), train_dataset=TokenDataset(16),
@@ -98,7 +98,7 @@ def test_adapter_schedule_and_llrd_share_the_index_and_put_adapters_in_their_blo
 
 def test_the_active_set_is_one_fact_held_by_the_scheduler():
     model = build_tiny_llama(num_layers=4)
-    scheduler = LayerwiseScheduler(model, num_active=2, interval_steps=2, seed=3)
+    scheduler = LayerwiseScheduler(model, lisa_activated_layers=2, lisa_interval_steps=2, seed=3)
     assert scheduler.active == [] and scheduler.active_set.blocks == []
     scheduler.freeze_all_but_active()
     assert scheduler.active == scheduler.active_set.blocks and len(scheduler.active) == 2
@@ -120,12 +120,13 @@ def test_the_active_set_is_one_fact_held_by_the_scheduler():
 def test_a_state_written_with_the_sampler_copy_restores_the_schedulers_active_set():
     # hf-lisa 0.1 also saved the active set inside the sampler's state ("current"); the scheduler's "active" wins
     model = build_tiny_llama(num_layers=4)
-    scheduler = LayerwiseScheduler(model, num_active=1, interval_steps=2, seed=0)
+    scheduler = LayerwiseScheduler(model, lisa_activated_layers=1, lisa_interval_steps=2, seed=0)
     scheduler.freeze_all_but_active()
     scheduler.switch_to([2], global_step=2)
     state = scheduler.state_dict()
     state["sampler"]["current"] = [0]
-    restored = LayerwiseScheduler(build_tiny_llama(num_layers=4), num_active=1, interval_steps=2, seed=0)
+    restored = LayerwiseScheduler(build_tiny_llama(num_layers=4), lisa_activated_layers=1, lisa_interval_steps=2,
+                                  seed=0)
     restored.load_state_dict(state)
     assert restored.active == [2] and restored.last_switch_step == 2
     assert [restored.sampler.sample() for _ in range(5)] == [scheduler.sampler.sample() for _ in range(5)]

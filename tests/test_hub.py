@@ -166,7 +166,7 @@ def trained(base_dir, work):
     torch.save({"step": 10}, out / "checkpoint-10" / "optimizer.pt")
     (out / "training_summary.json").write_text(json.dumps({
         "base_model": BASE_REPO, "method": "lisa-adapter",
-        "lisa": {"activated_layers": 2, "interval_steps": 5, "sampling": "cyclic"},
+        "lisa": {"lisa_activated_layers": 2, "lisa_interval_steps": 5, "lisa_sampling": "cyclic"},
         "hyperparameters": {"learning_rate": 0.0005, "num_train_epochs": 1, "per_device_train_batch_size": 4},
         "metrics": {"eval_loss": 1.2345, "exact_match": 0.375}, "datasets": ["openai/gsm8k"],
         "dataset_name": "openai/gsm8k", "loss_plot": "loss.png", "license": None,
@@ -227,7 +227,7 @@ def pushed(hub, api, trained, base_dir, work):
     results["full_model"] = full
     results["full"] = push_to_hub(full, "alice/full-lisa", token=WRITE_TOKEN, base_model=BASE_REPO,
                                   tokenizer=tiny_tokenizer(), endpoint=hub.url,
-                                  training_summary={"method": "lisa", "lisa": {"activated_layers": 1}})
+                                  training_summary={"method": "lisa", "lisa": {"lisa_activated_layers": 1}})
     results["logits_full"] = logits_of(full)
     # 6. a pickle-only adapter, uploaded by hand (hf-lisa never writes one), for the loading refusal
     pickled = work / "pickled"
@@ -667,7 +667,7 @@ def test_typed_summary_and_rendered_card_are_used_as_given(hub, trained, pushed)
 def test_training_summary_round_trips_the_json_keys(trained, tmp_path, caplog):
     on_disk = json.loads((trained["dir"] / "training_summary.json").read_text())
     summary = TrainingSummary.from_dir(trained["dir"])
-    assert summary.method == "lisa-adapter" and summary.lisa["activated_layers"] == 2
+    assert summary.method == "lisa-adapter" and summary.lisa["lisa_activated_layers"] == 2
     assert {k: summary.to_dict()[k] for k in on_disk} == on_disk  # the same keys and values as the file
     summary.save(tmp_path)
     assert TrainingSummary.from_dir(tmp_path) == summary

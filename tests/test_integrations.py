@@ -142,7 +142,7 @@ def test_trl_sft_lisa_full_from_a_trl_config_file_trains_only_the_sampled_blocks
     config.write_text(yaml.safe_dump({"lisa_full": True, "seed": 1, "logging_steps": 1}))  # TRL's --config file
     trainer = trl_sft.main(["--config", str(config), *trl_argv(smol_tiny, tmp_path / "out")])
     callback = lisa_callback_of(trainer)
-    assert isinstance(callback, LisaCallback) and callback.activated_layers == 1
+    assert isinstance(callback, LisaCallback) and callback.lisa_activated_layers == 1
     base = AutoModelForCausalLM.from_pretrained(smol_tiny["model"])
     before = snapshot(base)
     changed = changed_parameters(before, AutoModelForCausalLM.from_pretrained(tmp_path / "out"))
@@ -274,7 +274,8 @@ def test_axolotl_plugin_full_parameter_lisa_replaces_axolotls_callback(tmp_path)
     trainer, callback, changed = axolotl_like_run(cfg, model, tmp_path,
                                                   lambda t: LISACallback(t.model, n_layers=3, step_interval=2))
     assert not any(type(c).__name__ == "LISACallback" for c in trainer.callback_handler.callbacks)
-    assert isinstance(callback, LisaCallback) and (callback.activated_layers, callback.interval_steps) == (1, 2)
+    assert isinstance(callback, LisaCallback)
+    assert (callback.lisa_activated_layers, callback.lisa_interval_steps) == (1, 2)
     assert_full_lisa_trained_only_sampled_blocks(changed, callback, [n for n, _ in model.named_parameters()])
 
 
@@ -363,7 +364,8 @@ def test_axolotl_example_config_asks_for_full_parameter_lisa():
     cfg = yaml.safe_load((EXAMPLES / "axolotl_lisa.yaml").read_text())
     assert cfg["plugins"] == ["hf_lisa.integrations.axolotl.LisaPlugin"]
     (callback,) = ax.lisa_callbacks(cfg)
-    assert (callback.activated_layers, callback.interval_steps, callback.layers_attribute) == (2, 20, "model.layers")
+    assert (callback.lisa_activated_layers, callback.lisa_interval_steps, callback.lisa_layers_attribute) == (
+        2, 20, "model.layers")
 
 
 @pytest.fixture
@@ -451,7 +453,7 @@ def test_llamafactory_recipe_hands_lisa_to_run_exp_and_trains_only_sampled_block
     lf.run(config, run_exp=llamafactory_run_exp(trained))
     ((trainer, changed, names),) = trained
     callback = lisa_callback_of(trainer)
-    assert (callback.activated_layers, callback.interval_steps, callback.seed) == (1, 2, 1)
+    assert (callback.lisa_activated_layers, callback.lisa_interval_steps, callback.seed) == (1, 2, 1)
     assert_full_lisa_trained_only_sampled_blocks(changed, callback, names)
 
 
@@ -475,7 +477,7 @@ def test_llamafactory_example_and_overrides(tmp_path):
     args, callback = lf.split_config(config)
     assert not any(key.startswith("lisa_") for key in args)  # LLaMA-Factory would refuse them
     assert (args["finetuning_type"], args["seed"]) == ("full", 7)
-    assert (callback.activated_layers, callback.interval_steps, callback.seed) == (4, 20, 7)
+    assert (callback.lisa_activated_layers, callback.lisa_interval_steps, callback.seed) == (4, 20, 7)
     with pytest.raises(UsageError, match=r"override 'lisa_activated_layers' is invalid; allowed: key=value"):
         lf.load_config(EXAMPLES / "llamafactory_lisa.yaml", ["lisa_activated_layers"])
 

@@ -33,7 +33,7 @@ def test_monitor_scalars_are_written_to_tensorboard(tmp_path):
     args = build_training_args(tmp_path / "out", max_steps=6, logging_steps=2, report_to=["tensorboard"],
                                learning_rate=1e-2)
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(32),
-                      callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=0)])
+                      callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=0)])
     monitor = TrainingMonitorCallback(num_block_groups=2).attach(trainer)
     trainer.train()
     scalars = _read_scalars(tmp_path / "out")

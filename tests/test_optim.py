@@ -62,7 +62,7 @@ def test_full_parameter_lisa_keeps_every_block_in_the_optimizer(tmp_path):
 
     model = build_tiny_llama(num_layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    callback = LisaCallback(activated_layers=1, interval_steps=1, sampling="cyclic", seed=0)
+    callback = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=1, lisa_sampling="cyclic", seed=0)
     trainer = LisaTrainer(
         model=model, args=build_training_args(tmp_path, learning_rate=1e-2, max_steps=4),
         train_dataset=TokenDataset(16), callbacks=[callback], layerwise_lr_decay=0.9,

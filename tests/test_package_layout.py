@@ -128,6 +128,7 @@ NOT_A_METHOD = {
     ("lisa", "hf_lisa.hub.card"): "the card's library tag",
     ("lisa", "hf_lisa.train.outputs"): "the key of the LISA settings in training_summary.json",
     ("lisa", "hf_lisa.demo"): "the key of the LISA settings in training_summary.json",
+    ("lisa", "hf_lisa.hub.summary"): "the key of the LISA settings in training_summary.json",
     ("lisa", "hf_lisa.tuner"): "PEFT's registry name of the LISA peft type",
     ("full", "hf_lisa.integrations.llamafactory"): "LLaMA-Factory's finetuning_type value (its own vocabulary)",
     ("lora", "hf_lisa.integrations.llamafactory"): "LLaMA-Factory's default finetuning_type (its own vocabulary)",
@@ -156,7 +157,7 @@ def test_method_names_are_spelled_only_in_the_registry():
 # its own layer or a lower one; the root package `hf_lisa` re-exports and is exempt
 LAYERS = (
     ("hf_lisa.blocks", "hf_lisa.tuner.peft_type", "hf_lisa.errors", "hf_lisa.models", "hf_lisa.methods", "hf_lisa.option_names",
-     "hf_lisa.option_aliases", "hf_lisa._lazy"),
+     "hf_lisa.option_aliases", "hf_lisa._lazy", "hf_lisa.renamed"),
     ("hf_lisa.tuner",),
     ("hf_lisa.optim",),
     ("hf_lisa.scheduler",),

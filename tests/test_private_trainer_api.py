@@ -40,7 +40,7 @@ def test_the_lisa_callbacks_patch_no_method_onto_the_trainer(tiny_llama, token_d
     from hf_lisa.trainer_callbacks import LisaCallback
 
     trainer = Trainer(model=tiny_llama(num_layers=2), args=training_args(max_steps=2), train_dataset=token_dataset(),
-                      callbacks=[LisaCallback(activated_layers=1, interval_steps=1, seed=0)])
+                      callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=1, seed=0)])
     trainer.train()
     patched = sorted(name for name, value in vars(trainer).items() if callable(value) and hasattr(Trainer, name))
     assert patched == []

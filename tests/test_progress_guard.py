@@ -125,7 +125,7 @@ def test_a_normal_run_and_a_warmup_from_lr_0_pass(tiny_llama, token_dataset, tra
     """The linear warmup's first step has lr 0 (nothing can move): not counted, even with check_steps=1; the first
     step with lr > 0 trains and ends the check."""
     trainer = LisaTrainer(model=tiny_llama(seed=0), args=training_args(max_steps=4, warmup_steps=2),
-                          train_dataset=token_dataset(), callbacks=[LisaCallback(activated_layers=1, interval_steps=2)],
+                          train_dataset=token_dataset(), callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2)],
                           progress_check_steps=1)
     trainer.train()
     history = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
@@ -139,7 +139,7 @@ class _CalibrateInTraining(TrainerCallback):
     withheld (``end_step``), as the LISA adapter callback does for layers its pre-training passes do not reach."""
 
     def __init__(self, model):
-        self.mask_scheduler = MaskScheduler(model, importance_steps=2, update_interval=0)
+        self.mask_scheduler = MaskScheduler(model, importance_steps=2, mask_update_interval=0)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         attach_schedule(model, self)  # a loop that runs the schedule itself declares it

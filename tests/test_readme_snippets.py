@@ -52,7 +52,7 @@ SHORTER = {"max_steps=500": "max_steps=2"}
 SHIFT = str.maketrans("abcdefgh", "bcdefghi")
 #: the training_summary.json of the output directory the push and card blocks use (what `hf-lisa train` writes)
 SUMMARY = {"base_model": MODEL_ID, "method": "lisa-adapter",
-           "lisa": {"activated_layers": 0, "interval_steps": 20, "sampling": "uniform"},
+           "lisa": {"lisa_activated_layers": 0, "lisa_interval_steps": 20, "lisa_sampling": "uniform"},
            "hyperparameters": {"max_steps": 2}, "metrics": {"eval_loss": 0.4321}, "license": "apache-2.0"}
 
 
@@ -133,7 +133,7 @@ def check_trainer_api(ns: dict) -> None:
         "full-parameter LISA must train a plain model, not one that already carries adapters"
     )
     lisa = next(c for c in trainer.callback_handler.callbacks if isinstance(c, LisaCallback))
-    assert lisa.layer_scheduler.num_active == 2
+    assert lisa.layer_scheduler.lisa_activated_layers == 2
 
 
 def check_trl(ns: dict) -> None:
@@ -147,7 +147,7 @@ def check_trl(ns: dict) -> None:
     assert isinstance(trainer.model, PeftModel) and trainer.model.peft_config["default"].peft_type == "LISA"
     assert trainer.ref_model is None  # the reference is the base model with the adapters disabled
     lisa = next(c for c in trainer.callback_handler.callbacks if isinstance(c, LisaAdapterCallback))
-    assert lisa.layer_scheduler.num_active == 2
+    assert lisa.layer_scheduler.lisa_activated_layers == 2
 
 
 def check_quantized_base(ns: dict) -> None:

@@ -45,13 +45,13 @@ def test_full_parameter_resume_from_mid_interval_checkpoint_matches_uninterrupte
     uninterrupted_model = tiny_llama(seed=0)
     uninterrupted = Trainer(
         model=uninterrupted_model, args=args, train_dataset=token_dataset(),
-        callbacks=[LisaCallback(activated_layers=1, interval_steps=k, sampling=sampling, seed=9)],
+        callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=k, lisa_sampling=sampling, seed=9)],
     )
     uninterrupted.train()
     checkpoint = os.path.join(args.output_dir, "checkpoint-4")  # 4 % K != 0: mid-interval
 
     resumed_model = tiny_llama(seed=1)  # different init: everything must come from the checkpoint
-    original_callback = LisaCallback(activated_layers=1, interval_steps=k, sampling=sampling, seed=9)
+    original_callback = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=k, lisa_sampling=sampling, seed=9)
     resumed = Trainer(model=resumed_model, args=args, train_dataset=token_dataset(), callbacks=[original_callback])
     resumed.train(resume_from_checkpoint=checkpoint)
 
@@ -143,7 +143,7 @@ def test_resume_from_a_folder_outside_output_dir_is_found_through_the_arguments_
     # checkpoint of another run in output_dir is refused by its save id (before: it was not looked at at all)
     def trainer(args, seed):
         return Trainer(model=tiny_llama(seed=0), args=args, train_dataset=token_dataset(),
-                       callbacks=[LisaCallback(activated_layers=1, interval_steps=3, seed=seed)])
+                       callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=3, seed=seed)])
 
     run_a = trainer(training_args(max_steps=4, save_strategy="steps", save_steps=2), seed=1)
     run_a.train()
@@ -173,7 +173,7 @@ def test_resume_refuses_a_missing_or_older_schedule_with_a_clear_error(tiny_llam
 
     def trainer():
         return Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
-                       callbacks=[LisaCallback(activated_layers=1, interval_steps=2)])
+                       callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2)])
 
     trainer().train()
     checkpoint = os.path.join(args.output_dir, "checkpoint-1")
@@ -207,7 +207,7 @@ def _lisa_trainer(tiny_llama, token_dataset, args, **kwargs):
     from hf_lisa.train import LisaTrainer
 
     return LisaTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
-                       callbacks=[LisaCallback(activated_layers=1, interval_steps=3, seed=9)], **kwargs)
+                       callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=3, seed=9)], **kwargs)
 
 
 def test_lisa_trainer_writes_each_checkpoint_whole_before_naming_it(tiny_llama, token_dataset, training_args,
@@ -308,7 +308,7 @@ def test_layer_schedule_refuses_a_different_k_on_resume():
     from tiny_models import tiny_llama
 
     model = tiny_llama()
-    saved = LayerwiseScheduler(model, num_active=1, interval_steps=5, seed=0).state_dict()
-    other = LayerwiseScheduler(model, num_active=1, interval_steps=7, seed=0)
-    with pytest.raises(ValueError, match=r"interval_steps \(lisa_interval_steps, K\)=5 but this run has 7"):
+    saved = LayerwiseScheduler(model, lisa_activated_layers=1, lisa_interval_steps=5, seed=0).state_dict()
+    other = LayerwiseScheduler(model, lisa_activated_layers=1, lisa_interval_steps=7, seed=0)
+    with pytest.raises(ValueError, match=r"lisa_interval_steps \(K\)=5 but this run has 7"):
         other.load_state_dict(saved)

@@ -206,7 +206,7 @@ def test_new_block_bonus_protects_cells_switched_on_at_the_previous_update(tiny_
     grid0 = layer.get_mask("default")[::2, ::2].clone()
     gen = torch.Generator().manual_seed(0)
 
-    scheduler.keep_learned = 0.0  # B = 0 here anyway; score by the importance alone
+    scheduler.mask_keep_learned = 0.0  # B = 0 here anyway; score by the importance alone
     scheduler.fresh[name] = False  # a re-selection, not the first calibration
     first = torch.rand(grid0.shape, generator=gen)
     scheduler.importance[name] = first.clone()
@@ -230,15 +230,15 @@ def test_adapter_callback_guard_rails(tiny_llama, token_dataset, training_args):
         _train(tiny_llama(), training_args(max_steps=1), token_dataset(), [LisaAdapterCallback()])
     model = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=2, lisa_activated_layers=2))
     with pytest.raises(ValueError, match=r"lisa_activated_layers \(γ\)=5 is larger"):
-        _train(model, training_args(max_steps=1), token_dataset(), [LisaAdapterCallback(activated_layers=5)])
+        _train(model, training_args(max_steps=1), token_dataset(), [LisaAdapterCallback(lisa_activated_layers=5)])
     sparse = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=2, sparsity=0.5, mask_update_interval=8))
     with pytest.raises(ValueError, match="mask_update_interval=2 is shorter than the importance window"):
         _train(sparse, training_args(max_steps=1), token_dataset(),
                [LisaAdapterCallback(mask_update_interval=2, importance_steps=4)])
     for kwargs, field in [
-        ({"interval_steps": 0}, "interval_steps"),
-        ({"sampling": "x"}, "sampling"),
-        ({"activated_layers": -1}, "activated_layers"),
+        ({"lisa_interval_steps": 0}, "lisa_interval_steps"),
+        ({"lisa_sampling": "x"}, "lisa_sampling"),
+        ({"lisa_activated_layers": -1}, "lisa_activated_layers"),
         ({"importance_steps": 0}, "importance_steps"),
     ]:
         with pytest.raises(ValueError, match=field):

@@ -45,14 +45,14 @@ def _block_changed(model, before, index):
 @pytest.mark.parametrize("grad_accum", [1, 3])
 def test_active_set_rotates_exactly_at_multiples_of_k(tiny_llama, token_dataset, training_args, grad_accum):
     k, steps = 3, 10
-    lisa = LisaCallback(activated_layers=1, interval_steps=k, sampling="uniform", seed=7)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=k, lisa_sampling="uniform", seed=7)
     trainer = _train(
         tiny_llama(), training_args(max_steps=steps, gradient_accumulation_steps=grad_accum), token_dataset(), [lisa]
     )
     history = lisa.layer_scheduler.history
     # one draw at train begin, then exactly one per multiple of K; none at step 1 (no double switch at 0 and 1)
     assert [step for step, _ in history] == [0, 3, 6, 9]
-    reference = LayerSampler(num_layers=4, num_active=1, seed=7)
+    reference = LayerSampler(num_layers=4, lisa_activated_layers=1, seed=7)
     assert [blocks for _, blocks in history] == [reference.sample() for _ in range(4)]
     # the optimizer step that starts at global_step s trains the set drawn for period s // K
     per_step = _active_per_step(trainer)
@@ -82,7 +82,7 @@ def test_active_blocks_change_and_never_active_blocks_stay_bit_identical(
 ):
     model = tiny_llama(num_layers=4)
     before = _snapshot(model)
-    lisa = LisaCallback(activated_layers=1, interval_steps=2, seed=3)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=3)
     trainer = _train(model, training_args(max_steps=4, optim=optim), token_dataset(), [lisa])
 
     ever_active = {b for _, blocks in lisa.layer_scheduler.history for b in blocks}
@@ -106,7 +106,7 @@ def _adamw_state_bytes(params):
 
 def test_optimizer_holds_state_only_for_current_blocks_after_100_switches(tiny_llama, token_dataset, training_args):
     model = tiny_llama(num_layers=4, hidden=16, vocab=32)
-    lisa = LisaCallback(activated_layers=2, interval_steps=1, seed=0)
+    lisa = LisaCallback(lisa_activated_layers=2, lisa_interval_steps=1, seed=0)
     trainer = _train(model, training_args(max_steps=101, logging_steps=101), token_dataset(vocab=32), [lisa])
 
     scheduler = lisa.layer_scheduler
@@ -126,7 +126,7 @@ def test_optimizer_holds_state_only_for_current_blocks_after_100_switches(tiny_l
 
 def test_keep_policy_keeps_state_of_every_block_ever_trained(tiny_llama, token_dataset, training_args):
     model = tiny_llama(num_layers=4, hidden=16, vocab=32)
-    lisa = LisaCallback(activated_layers=1, interval_steps=1, seed=0, optimizer_state_policy="keep")
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=1, seed=0, lisa_optimizer_state_policy="keep")
     trainer = _train(model, training_args(max_steps=12), token_dataset(vocab=32), [lisa])
     scheduler = lisa.layer_scheduler
     ever = sorted({b for _, blocks in scheduler.history for b in blocks})
@@ -148,7 +148,7 @@ class _AdamStepRecorder(TrainerCallback):
 
 @pytest.mark.parametrize("policy", ["drop", "keep"])
 def test_resampled_block_starts_a_fresh_adam_sequence_under_drop(tiny_llama, token_dataset, training_args, policy):
-    lisa = LisaCallback(activated_layers=1, interval_steps=1, seed=1, optimizer_state_policy=policy)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=1, seed=1, lisa_optimizer_state_policy=policy)
     recorder = _AdamStepRecorder(lisa)
     _train(tiny_llama(hidden=16, vocab=32), training_args(max_steps=14), token_dataset(vocab=32), [lisa, recorder])
 
@@ -175,7 +175,7 @@ def test_full_lisa_with_all_blocks_equals_plain_full_finetuning(tiny_llama, toke
     plain = tiny_llama(seed=5)
     _train(plain, training_args(max_steps=6), token_dataset())
     lisa_model = tiny_llama(seed=5)
-    lisa = LisaCallback(activated_layers=4, interval_steps=2, seed=0)
+    lisa = LisaCallback(lisa_activated_layers=4, lisa_interval_steps=2, seed=0)
     _train(lisa_model, training_args(max_steps=6), token_dataset(), [lisa])
     assert len(lisa.layer_scheduler.history) == 3
     for (name, a), (_, b) in zip(plain.named_parameters(), lisa_model.named_parameters()):
@@ -183,7 +183,7 @@ def test_full_lisa_with_all_blocks_equals_plain_full_finetuning(tiny_llama, toke
 
 
 def test_importance_sampling_learns_gradient_norms_of_trained_blocks(tiny_llama, token_dataset, training_args):
-    lisa = LisaCallback(activated_layers=1, interval_steps=2, sampling="importance", seed=0)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, lisa_sampling="importance", seed=0)
     _train(tiny_llama(), training_args(max_steps=6), token_dataset(), [lisa])
     scheduler = lisa.layer_scheduler
     trained = {b for _, blocks in scheduler.history[:-1] for b in blocks} | set(scheduler.active)
@@ -194,24 +194,24 @@ def test_importance_sampling_learns_gradient_norms_of_trained_blocks(tiny_llama,
 
 def test_always_trainable_set_is_configurable_and_counts_tied_weights_once(tiny_llama):
     untied = tiny_llama(num_layers=2, hidden=16, vocab=32)
-    default = LayerwiseScheduler(untied, num_active=1, interval_steps=1)
+    default = LayerwiseScheduler(untied, lisa_activated_layers=1, lisa_interval_steps=1)
     names = {n for n, p in untied.named_parameters() if any(p is q for q in default.always_params)}
     assert names == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
-    only_blocks = LayerwiseScheduler(untied, num_active=1, interval_steps=1, always_trainable=())
+    only_blocks = LayerwiseScheduler(untied, lisa_activated_layers=1, lisa_interval_steps=1, lisa_always_trainable=())
     assert only_blocks.always_params == [] and len(only_blocks.frozen_params) == 3
 
     tied = tiny_llama(num_layers=2, hidden=16, vocab=32, tie=True)
-    scheduler = LayerwiseScheduler(tied, num_active=1, interval_steps=1, always_trainable=("embeddings", "lm_head"))
+    scheduler = LayerwiseScheduler(tied, lisa_activated_layers=1, lisa_interval_steps=1, lisa_always_trainable=("embeddings", "lm_head"))
     assert len(scheduler.always_params) == 1 and scheduler.always_params[0] is tied.lm_head.weight
     assert scheduler.param_counts()["always_trainable"] == 32 * 16
     with pytest.raises(ValueError, match="always_trainable entry 'classifier'"):
-        LayerwiseScheduler(tied, num_active=1, interval_steps=1, always_trainable=("classifier",))
+        LayerwiseScheduler(tied, lisa_activated_layers=1, lisa_interval_steps=1, lisa_always_trainable=("classifier",))
 
 
 def test_frozen_always_trainable_set_does_not_move(tiny_llama, token_dataset, training_args):
     model = tiny_llama()
     before = _snapshot(model)
-    lisa = LisaCallback(activated_layers=2, interval_steps=2, seed=0, always_trainable=())
+    lisa = LisaCallback(lisa_activated_layers=2, lisa_interval_steps=2, seed=0, lisa_always_trainable=())
     _train(model, training_args(max_steps=4), token_dataset(), [lisa])
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
         assert torch.equal(dict(model.named_parameters())[name], before[name]), name
@@ -230,7 +230,7 @@ _SCHEDULE_SCRIPT = textwrap.dedent(
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 32, (32, 8))]
-    lisa = LisaCallback(activated_layers=2, interval_steps=2, sampling=sys.argv[1], seed=1234)
+    lisa = LisaCallback(lisa_activated_layers=2, lisa_interval_steps=2, lisa_sampling=sys.argv[1], seed=1234)
     args = TrainingArguments(tempfile.mkdtemp(), max_steps=12, per_device_train_batch_size=2, report_to=[],
                              save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=100)
     Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=[lisa]).train()
@@ -266,11 +266,11 @@ def test_same_seed_gives_the_same_schedule_in_two_separate_processes(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"activated_layers": 0}, "activated_layers"),
-        ({"activated_layers": -2}, "activated_layers"),
-        ({"interval_steps": 0}, "interval_steps"),
-        ({"sampling": "random"}, "sampling"),
-        ({"optimizer_state_policy": "reset"}, "optimizer_state_policy"),
+        ({"lisa_activated_layers": 0}, "lisa_activated_layers"),
+        ({"lisa_activated_layers": -2}, "lisa_activated_layers"),
+        ({"lisa_interval_steps": 0}, "lisa_interval_steps"),
+        ({"lisa_sampling": "random"}, "lisa_sampling"),
+        ({"lisa_optimizer_state_policy": "reset"}, "lisa_optimizer_state_policy"),
     ],
 )
 def test_invalid_callback_settings_raise_value_error_naming_the_field(kwargs, field):
@@ -280,7 +280,7 @@ def test_invalid_callback_settings_raise_value_error_naming_the_field(kwargs, fi
 
 def test_gamma_larger_than_the_number_of_blocks_fails_at_train_begin(tiny_llama, token_dataset, training_args):
     with pytest.raises(ValueError, match=r"activated_layers.*larger than the number of transformer blocks \(4\)"):
-        _train(tiny_llama(), training_args(max_steps=1), token_dataset(), [LisaCallback(activated_layers=5)])
+        _train(tiny_llama(), training_args(max_steps=1), token_dataset(), [LisaCallback(lisa_activated_layers=5)])
 
 
 def test_deepspeed_with_full_parameter_lisa_is_refused_naming_fsdp2(training_args, monkeypatch):
@@ -298,4 +298,4 @@ def test_peft_model_is_refused_with_the_adapter_callback_named(tiny_llama, token
 
     model = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=2))
     with pytest.raises(ValueError, match="LisaAdapterCallback"):
-        _train(model, training_args(max_steps=1), token_dataset(), [LisaCallback(activated_layers=1)])
+        _train(model, training_args(max_steps=1), token_dataset(), [LisaCallback(lisa_activated_layers=1)])

@@ -97,10 +97,10 @@ def test_full_lisa_defaults_are_the_callbacks(tmp_path):
     resolved = LisaCallback().resolved_settings()
     knobs = lisa_knobs(lisa_args)
     shared = set(resolved) & set(knobs)
-    assert shared == {"activated_layers", "interval_steps", "sampling", "optimizer_state_policy", "always_trainable",
-                      "layers_attribute"}
+    assert shared == {"lisa_activated_layers", "lisa_interval_steps", "lisa_sampling", "lisa_optimizer_state_policy",
+                      "lisa_always_trainable", "lisa_layers_attribute"}
     assert {k: knobs[k] for k in shared} == {k: resolved[k] for k in shared}
-    assert resolved["activated_layers"] == 2 and "heads" in resolved["always_trainable"]
+    assert resolved["lisa_activated_layers"] == 2 and "heads" in resolved["lisa_always_trainable"]
 
 
 def test_adapter_defaults_are_lisaconfigs(tmp_path):
@@ -177,7 +177,7 @@ def test_adapters_train_the_same_parameters_everywhere(tiny, tmp_path):
         before = snapshot(get_peft_model_state_dict(trainer.model))
         trainer.train()
         assert changed(before, get_peft_model_state_dict(trainer.model)) == cli_changed, kind
-        assert callback.resolved_settings(trainer.model)["activated_layers"] == 0
+        assert callback.resolved_settings(trainer.model)["lisa_activated_layers"] == 0
 
 
 def test_the_start_summary_names_what_never_trains(tiny, tmp_path, capsys):
@@ -212,8 +212,8 @@ def test_the_adapter_callback_refuses_them_with_every_block_training(tiny_llama,
 
     model = get_peft_model(tiny_llama(num_layers=2), hf_lisa.LisaConfig(r=2, target_modules=["q_proj"]))
     trainer = Trainer(model=model, args=training_args(max_steps=1), train_dataset=TokenDataset(8),
-                      callbacks=[LisaAdapterCallback(interval_steps=5)])
-    with pytest.raises(ValueError, match=r"interval_steps: lisa_interval_steps.*=5 has no effect"):
+                      callbacks=[LisaAdapterCallback(lisa_interval_steps=5)])
+    with pytest.raises(ValueError, match=r"lisa_interval_steps \(K\)=5 has no effect"):
         trainer.train()
 
 

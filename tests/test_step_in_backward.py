@@ -26,7 +26,7 @@ def _train(tiny_llama, token_dataset, training_args, fused, steps=4, resume=None
     args = training_args(max_steps=steps, max_grad_norm=0.0, weight_decay=0.1, **args)
     trainer = LisaTrainer(
         model=model, args=args, train_dataset=token_dataset(),
-        callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=3), *callbacks],
+        callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=3), *callbacks],
         optim_step_in_backward=fused,
     )
     monitor = TrainingMonitorCallback().attach(trainer)
@@ -177,7 +177,7 @@ def test_python_api_refusals(tiny_llama, token_dataset, training_args):
         LisaTrainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None),
                     optim_step_in_backward=True)
     trainer = LisaTrainer(model=model, args=args, train_dataset=token_dataset(), optim_step_in_backward=True,
-                          callbacks=[LisaCallback(activated_layers=1, interval_steps=2, sampling="importance")])
+                          callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, lisa_sampling="importance")])
     with pytest.raises(ValueError, match="importance sampling"):
         trainer.train()
     sgd = training_args(max_steps=1, max_grad_norm=0.0, optim="sgd")
@@ -236,7 +236,7 @@ def test_plain_trainer_given_an_in_backward_optimizer(tiny_llama, token_dataset,
         args = training_args(max_steps=3, max_grad_norm=max_grad_norm)
         optimizer = (AdamWInBackward if fused else torch.optim.AdamW)(model.parameters(), lr=args.learning_rate)
         trainer = Trainer(model=model, args=args, train_dataset=token_dataset(), optimizers=(optimizer, None),
-                          callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=3)])
+                          callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=3)])
         return trainer, TrainingMonitorCallback().attach(trainer), model
 
     trainer, _, model = build(1.0, fused=True)

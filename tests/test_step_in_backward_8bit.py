@@ -77,7 +77,7 @@ def _train(tiny_llama, token_dataset, training_args, fused, eight_bit_embeddings
                          learning_rate=1e-2, **extra)
     trainer = LisaTrainer(
         model=model, args=args, train_dataset=token_dataset(vocab=VOCAB),
-        callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=3)],
+        callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=3)],
         optim_step_in_backward=fused, optim_8bit_embeddings=eight_bit_embeddings,
     )
     trainer.train(resume_from_checkpoint=resume)

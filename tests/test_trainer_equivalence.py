@@ -52,7 +52,7 @@ NUM_BLOCKS, STEPS = 4, 6
 ALWAYS_TRAINABLE = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")  # E+H+final norm
 
 #: full-parameter LISA: γ = 1, K = 3; seed 3 draws block 2 then block 3 (blocks 0 and 1 never train)
-FULL = dict(activated_layers=1, interval_steps=3, seed=3)
+FULL = dict(lisa_activated_layers=1, lisa_interval_steps=3, seed=3)
 #: training settings per case: gradient accumulation and a clip that binds (every grad_norm is above it), or neither
 ACCUMULATE_CLIP = dict(gradient_accumulation_steps=2, max_grad_norm=1e-3)
 ONE_PASS_NO_CLIP = dict(gradient_accumulation_steps=1, max_grad_norm=0.0)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _trainer(cls, tiny_llama, token_dataset, args):
     return cls(model=tiny_llama(num_layers=2), args=args, train_dataset=token_dataset(),
-               callbacks=[LisaCallback(activated_layers=1, interval_steps=2, seed=0)])
+               callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2, seed=0)])
 
 
 def test_a_trainer_not_handed_over_is_left_as_built(tiny_llama, token_dataset, training_args, caplog):

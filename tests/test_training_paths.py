@@ -255,7 +255,7 @@ def test_lisa_callback_trains_task_heads_by_default(training_args, build, caplog
     before = _snapshot(model)
     with caplog.at_level("INFO", logger="hf_lisa.trainer_callbacks"):
         Trainer(model=model, args=training_args(max_steps=2), train_dataset=LabelledTokens(),
-                callbacks=[LisaCallback(activated_layers=1)]).train()
+                callbacks=[LisaCallback(lisa_activated_layers=1)]).train()
     moved = _changed(model, before)
     head_names = {n for n in before if n.startswith(heads)}
     assert head_names and head_names <= moved
@@ -266,7 +266,7 @@ def test_always_trainable_still_narrows_the_heads(training_args):
     model = _tiny_llama_classifier()
     before = _snapshot(model)
     Trainer(model=model, args=training_args(max_steps=2), train_dataset=LabelledTokens(),
-            callbacks=[LisaCallback(activated_layers=1, always_trainable=("embeddings",))]).train()
+            callbacks=[LisaCallback(lisa_activated_layers=1, lisa_always_trainable=("embeddings",))]).train()
     assert not any(n.startswith("score.") for n in _changed(model, before))
 
 
@@ -276,7 +276,7 @@ def test_lisa_callbacks_run_before_the_reporting_integrations(tiny_llama, token_
 
     from hf_lisa.trainer_callbacks import prepare_trainer
 
-    lisa = LisaCallback(activated_layers=1)
+    lisa = LisaCallback(lisa_activated_layers=1)
     trainer = Trainer(model=tiny_llama(), args=training_args(max_steps=1, report_to=["tensorboard"]),
                       train_dataset=token_dataset(), callbacks=[lisa])
     prepare_trainer(trainer)  # hands the Trainer over (tests/test_trainer_handover.py: without it, nothing moves)
@@ -292,7 +292,7 @@ def _simulate(num_blocks, lisa_kwargs, steps):
     config = hf_lisa.LisaConfig(r=2, target_modules=["q_proj"], sparsity=0.5, **lisa_kwargs)
     model = get_peft_model(build_tiny_llama(num_layers=num_blocks, hidden=8), config)
     layers = LayerwiseScheduler.for_adapter(model, seed=0)
-    masks = MaskScheduler(model, interval_steps=layers.interval_steps)
+    masks = MaskScheduler(model, lisa_interval_steps=layers.lisa_interval_steps)
     masks.start(0)
     layers.freeze_all_but_active()
     gen = torch.Generator().manual_seed(0)

@@ -177,7 +177,7 @@ def _full_parameter_run(kind, base_model, tokenizer, tmp_path, gradient_checkpoi
     model = base_model()
     ref_model = base_model() if kind == "dpo" else None  # a model built from config has no Hub id to load one from
     ref_before = None if ref_model is None else {n: p.clone() for n, p in ref_model.named_parameters()}
-    lisa = LisaCallback(activated_layers=1, interval_steps=K, seed=0)
+    lisa = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=K, seed=0)
     record = WhatTrained(lisa)
     trainer = make_trainer(kind, model, tokenizer, trl_args(kind, tmp_path, gradient_checkpointing),
                            [lisa, record], ref_model=ref_model)

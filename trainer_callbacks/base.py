@@ -12,6 +12,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
+from hf_lisa.renamed import RenamedAttribute
 from hf_lisa.optim.state import optimizer_state_bytes
 from hf_lisa.optim.in_backward import steps_in_backward
 
@@ -25,6 +26,11 @@ logger = logging.getLogger(__name__)
 
 class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
     """Logging, Trainer preparation and guard rails shared by the two LISA callbacks (checkpoints: :mod:`.state`)."""
+
+    activated_layers = RenamedAttribute("lisa_activated_layers")  # the names before 0.3 (hf_lisa.renamed)
+    interval_steps = RenamedAttribute("lisa_interval_steps")
+    sampling = RenamedAttribute("lisa_sampling")
+    optimizer_state_policy = RenamedAttribute("lisa_optimizer_state_policy")
 
     def __init__(self) -> None:
         self.layer_scheduler: Optional[LayerwiseScheduler] = None
@@ -200,7 +206,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
         self.complete_lisa_gradients(optimizer)
         self._relay("on_pre_optimizer_step", args, state, control, optimizer=optimizer, **kwargs)
         self._gradients_completed = False
-        if self.layer_scheduler is not None and self.layer_scheduler.strategy == "importance":
+        if self.layer_scheduler is not None and self.layer_scheduler.lisa_sampling == "importance":
             # the sampler's running norm reads the gradients as the optimizer gets them (unscaled, clipped)
             self.layer_scheduler.observe_gradients()
 

@@ -38,6 +38,7 @@ from hf_lisa.optim.state import exclude_from_weight_decay
 from hf_lisa.methods import FULL_LISA_ACTIVATED_LAYERS
 from hf_lisa.tuner.config import is_int, check_lisa_settings
 from hf_lisa.tuner.schedule_guard import attach_schedule, detach_schedule, settings_needing_schedule
+from hf_lisa.renamed import RenamedAttribute, renamed_keywords
 
 from .base import _LisaCallbackBase
 from .calibration import calibrate_due_masks
@@ -48,33 +49,26 @@ logger = logging.getLogger(__name__)
 __all__ = ["LisaAdapterCallback", "LisaCallback", "check_lisa_training_setup"]
 
 
-#: the callbacks' argument names of the LisaConfig schedule settings, named beside them in error messages
-_SCHEDULE_ARGUMENTS = {
-    "lisa_activated_layers": "activated_layers",
-    "lisa_interval_steps": "interval_steps",
-    "lisa_sampling": "sampling",
-    "lisa_optimizer_state_policy": "optimizer_state_policy",
-}
-
-
 class LisaCallback(_LisaCallbackBase):
     """Full-parameter LISA on a plain transformers model: the embeddings, LM head, final norm and any task head train
     throughout, and γ transformer blocks train at a time, re-drawn every K optimizer steps.
 
+    Each setting has its one name, as in ``LisaConfig`` and ``hf-lisa train`` (older names: :mod:`hf_lisa.renamed`).
+
     Args:
-        activated_layers (`int`, defaults to `2`): γ (LMFlow's ``lisa_activated_layers``), ``1 <= γ <= N``.
-        interval_steps (`int`, defaults to `20`): K (``lisa_interval_steps``), optimizer steps per period.
-        sampling (`str`, defaults to `"uniform"`): ``"uniform"`` (the paper), ``"importance"`` (running gradient
+        lisa_activated_layers (`int`, defaults to `2`): γ, ``1 <= γ <= N``.
+        lisa_interval_steps (`int`, defaults to `20`): K, optimizer steps per period.
+        lisa_sampling (`str`, defaults to `"uniform"`): ``"uniform"`` (the paper), ``"importance"`` (running gradient
             norm) or ``"cyclic"`` (every block once per cycle); see :class:`hf_lisa.scheduler.sampler.LayerSampler`.
         seed (`int`, defaults to `42`): seed of the sampler; every rank draws the same blocks.
-        always_trainable (`Sequence[str]`, defaults to `("embeddings", "lm_head", "norm", "heads")`): what trains
+        lisa_always_trainable (`Sequence[str]`, defaults to `("embeddings", "lm_head", "norm", "heads")`): what trains
             throughout: keywords (``"heads"`` is every other parameter outside the blocks, e.g. a classifier's
             ``score``, BERT's ``pooler`` and ``classifier``) or module names/regexes such as ``"score"``; ``()``
             trains only the sampled blocks. The task heads that train are listed in the log at train begin.
-        optimizer_state_policy (`str`, defaults to `"drop"`): ``"drop"`` frees the optimizer state of deactivated
-            parameters (the paper's behaviour; LISA then holds state for E+H+γL only), ``"keep"`` keeps it.
-        layers_attribute (`str`, *optional*): dotted path of the block list (``lisa_layers_attribute``), e.g.
-            ``"model.layers"``; discovered automatically by default.
+        lisa_optimizer_state_policy (`str`, defaults to `"drop"`): ``"drop"`` frees the optimizer state of
+            deactivated parameters (the paper's behaviour; LISA then holds state for E+H+γL only), ``"keep"`` keeps it.
+        lisa_layers_attribute (`str`, *optional*): dotted path of the block list, e.g. ``"model.layers"``;
+            discovered automatically by default.
 
     Example:
         ```py
@@ -82,53 +76,58 @@ class LisaCallback(_LisaCallbackBase):
         >>> from hf_lisa.trainer_callbacks import LisaCallback
         >>> trainer = Trainer(
         ...     model=model, args=TrainingArguments("out", max_steps=1000), train_dataset=train_dataset,
-        ...     callbacks=[LisaCallback(activated_layers=2, interval_steps=20, seed=42)],
+        ...     callbacks=[LisaCallback(lisa_activated_layers=2, lisa_interval_steps=20, seed=42)],
         ... )  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
         ```
     """
 
+    always_trainable = RenamedAttribute("lisa_always_trainable")
+    layers_attribute = RenamedAttribute("lisa_layers_attribute")
+
+    @renamed_keywords("activated_layers", "interval_steps", "sampling", "always_trainable", "optimizer_state_policy",
+                      "layers_attribute")
     def __init__(
         self,
-        activated_layers: int = FULL_LISA_ACTIVATED_LAYERS,
-        interval_steps: int = 20,
-        sampling: str = "uniform",
+        lisa_activated_layers: int = FULL_LISA_ACTIVATED_LAYERS,
+        lisa_interval_steps: int = 20,
+        lisa_sampling: str = "uniform",
         seed: int = 42,
-        always_trainable: Optional[Sequence[str]] = DEFAULT_ALWAYS_TRAINABLE,
-        optimizer_state_policy: str = "drop",
-        layers_attribute: Optional[str] = None,
+        lisa_always_trainable: Optional[Sequence[str]] = DEFAULT_ALWAYS_TRAINABLE,
+        lisa_optimizer_state_policy: str = "drop",
+        lisa_layers_attribute: Optional[str] = None,
     ) -> None:
         super().__init__()
         check_lisa_settings(
-            dict(lisa_activated_layers=activated_layers, lisa_interval_steps=interval_steps, lisa_sampling=sampling,
-                 lisa_optimizer_state_policy=optimizer_state_policy),
+            dict(lisa_activated_layers=lisa_activated_layers, lisa_interval_steps=lisa_interval_steps,
+                 lisa_sampling=lisa_sampling, lisa_optimizer_state_policy=lisa_optimizer_state_policy),
             where="LisaCallback ",
-            arguments=_SCHEDULE_ARGUMENTS,
             allow_every_block=False,
         )
         if not is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
-        if isinstance(always_trainable, str):
-            always_trainable = (always_trainable,)
-        if always_trainable is not None and not all(isinstance(s, str) for s in always_trainable):
-            raise ValueError(f"always_trainable={always_trainable!r} is invalid; allowed: a sequence of strings.")
-        self.activated_layers = activated_layers
-        self.interval_steps = interval_steps
-        self.sampling = sampling
+        if isinstance(lisa_always_trainable, str):
+            lisa_always_trainable = (lisa_always_trainable,)
+        if lisa_always_trainable is not None and not all(isinstance(s, str) for s in lisa_always_trainable):
+            raise ValueError(f"lisa_always_trainable={lisa_always_trainable!r} is invalid; allowed: a sequence of "
+                             "strings.")
+        self.lisa_activated_layers = lisa_activated_layers
+        self.lisa_interval_steps = lisa_interval_steps
+        self.lisa_sampling = lisa_sampling
         self.seed = seed
-        self.always_trainable = None if always_trainable is None else tuple(always_trainable)
-        self.optimizer_state_policy = optimizer_state_policy
-        self.layers_attribute = layers_attribute
+        self.lisa_always_trainable = None if lisa_always_trainable is None else tuple(lisa_always_trainable)
+        self.lisa_optimizer_state_policy = lisa_optimizer_state_policy
+        self.lisa_layers_attribute = lisa_layers_attribute
 
     def _ctor_args(self) -> dict[str, Any]:
         return {
-            "activated_layers": self.activated_layers,
-            "interval_steps": self.interval_steps,
-            "sampling": self.sampling,
+            "lisa_activated_layers": self.lisa_activated_layers,
+            "lisa_interval_steps": self.lisa_interval_steps,
+            "lisa_sampling": self.lisa_sampling,
             "seed": self.seed,
-            "always_trainable": None if self.always_trainable is None else list(self.always_trainable),
-            "optimizer_state_policy": self.optimizer_state_policy,
-            "layers_attribute": self.layers_attribute,
+            "lisa_always_trainable": None if self.lisa_always_trainable is None else list(self.lisa_always_trainable),
+            "lisa_optimizer_state_policy": self.lisa_optimizer_state_policy,
+            "lisa_layers_attribute": self.lisa_layers_attribute,
         }
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -141,17 +140,17 @@ class LisaCallback(_LisaCallbackBase):
             self.layer_scheduler.restore_trainable()
         scheduler = LayerwiseScheduler(
             model,
-            num_active=self.activated_layers,  # the sampler checks γ against the blocks it finds
-            interval_steps=self.interval_steps,
-            strategy=self.sampling,
+            lisa_activated_layers=self.lisa_activated_layers,  # the sampler checks γ against the blocks it finds
+            lisa_interval_steps=self.lisa_interval_steps,
+            lisa_sampling=self.lisa_sampling,
             seed=self.seed,
-            always_trainable=self.always_trainable,
-            optimizer_state_policy=self.optimizer_state_policy,
-            layers_attribute=self.layers_attribute,
+            lisa_always_trainable=self.lisa_always_trainable,
+            lisa_optimizer_state_policy=self.lisa_optimizer_state_policy,
+            lisa_layers_attribute=self.lisa_layers_attribute,
         )
         self._check_trainer(args, model)
         check_engine(args, model, optimizer, scheduler, form="full-parameter LISA", trainer=self._trainer)
-        self._check_gradients_reachable(optimizer, ["importance sampling" if self.sampling == "importance" else ""])
+        self._check_gradients_reachable(optimizer, ["importance sampling" if self.lisa_sampling == "importance" else ""])
         names = {id(p): n for n, p in model.named_parameters()}
         if scheduler.head_params:
             logger.info(
@@ -160,9 +159,9 @@ class LisaCallback(_LisaCallbackBase):
             )
         if scheduler.frozen_params:
             logger.warning(
-                "LISA: %d parameter(s) outside the blocks never train, since always_trainable=%s does not name them: "
-                "%s. Add 'heads' or their module names to always_trainable to train them.",
-                len(scheduler.frozen_params), list(self.always_trainable or ()),
+                "LISA: %d parameter(s) outside the blocks never train, since lisa_always_trainable=%s does not name them: "
+                "%s. Add 'heads' or their module names to lisa_always_trainable to train them.",
+                len(scheduler.frozen_params), list(self.lisa_always_trainable or ()),
                 ", ".join(names.get(id(p), "?") for p in scheduler.frozen_params),
             )
         stored = self._stored_state(args, state)
@@ -178,7 +177,7 @@ class LisaCallback(_LisaCallbackBase):
 
     def resolved_settings(self) -> dict[str, Any]:
         """The schedule's settings as this callback runs them (the names of ``training_summary.json``'s ``lisa``)."""
-        return {**self._ctor_args(), "always_trainable": list(self.always_trainable or ())}
+        return {**self._ctor_args(), "lisa_always_trainable": list(self.lisa_always_trainable or ())}
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self._begin_step()
@@ -211,13 +210,13 @@ class LisaAdapterCallback(_LisaCallbackBase):
       blocks where PEFT itself re-applies them (``disable_adapter()`` in TRL's DPO reference pass re-enables every
       adapter otherwise); gradients that reach frozen parameters anyway are dropped before the clip and the step.
 
-    Settings come from the adapter's ``LisaConfig``; keyword arguments override them.
+    Settings come from the adapter's ``LisaConfig``; keywords of the same names override them (:mod:`hf_lisa.renamed`).
 
     Args:
         seed (`int`, defaults to `42`): seed of the layer sampler.
-        activated_layers, interval_steps, sampling: override ``lisa_activated_layers``, ``lisa_interval_steps``,
-            ``lisa_sampling``.
-        optimizer_state_policy (`str`, defaults to `"drop"`): ``"drop"`` or ``"keep"``, as for :class:`LisaCallback`.
+        lisa_activated_layers, lisa_interval_steps, lisa_sampling: override the config's layer schedule.
+        lisa_optimizer_state_policy (`str`, defaults to `"drop"`): ``"drop"`` or ``"keep"``, as for
+            :class:`LisaCallback`.
         mask_update_interval, importance_steps, new_block_bonus: override the config's mask settings.
         adapter_name (`str`, *optional*): the adapter to schedule; the active adapter by default.
         measure_mask_change (`bool`, defaults to `True`): evaluate the loss on a fixed batch around each re-selection.
@@ -236,13 +235,14 @@ class LisaAdapterCallback(_LisaCallbackBase):
         ```
     """
 
+    @renamed_keywords("activated_layers", "interval_steps", "sampling", "optimizer_state_policy")
     def __init__(
         self,
         seed: int = 42,
-        activated_layers: Optional[int] = None,
-        interval_steps: Optional[int] = None,
-        sampling: Optional[str] = None,
-        optimizer_state_policy: str = "drop",
+        lisa_activated_layers: Optional[int] = None,
+        lisa_interval_steps: Optional[int] = None,
+        lisa_sampling: Optional[str] = None,
+        lisa_optimizer_state_policy: str = "drop",
         mask_update_interval: Optional[int] = None,
         importance_steps: Optional[int] = None,
         new_block_bonus: Optional[float] = None,
@@ -254,24 +254,23 @@ class LisaAdapterCallback(_LisaCallbackBase):
         if not is_int(seed):
             raise ValueError(f"seed={seed!r} is invalid; allowed: an integer.")
         overrides = {
-            "lisa_activated_layers": activated_layers,
-            "lisa_interval_steps": interval_steps,
-            "lisa_sampling": sampling,
+            "lisa_activated_layers": lisa_activated_layers,
+            "lisa_interval_steps": lisa_interval_steps,
+            "lisa_sampling": lisa_sampling,
             "mask_update_interval": mask_update_interval,
             "importance_steps": importance_steps,
             "new_block_bonus": new_block_bonus,
-            "lisa_optimizer_state_policy": optimizer_state_policy,
+            "lisa_optimizer_state_policy": lisa_optimizer_state_policy,
         }
         check_lisa_settings(
             {name: value for name, value in overrides.items() if value is not None},
             where="LisaAdapterCallback ",
-            arguments=_SCHEDULE_ARGUMENTS,
         )
         self.seed = seed
-        self.activated_layers = activated_layers
-        self.interval_steps = interval_steps
-        self.sampling = sampling
-        self.optimizer_state_policy = optimizer_state_policy
+        self.lisa_activated_layers = lisa_activated_layers
+        self.lisa_interval_steps = lisa_interval_steps
+        self.lisa_sampling = lisa_sampling
+        self.lisa_optimizer_state_policy = lisa_optimizer_state_policy
         self.mask_update_interval = mask_update_interval
         self.importance_steps = importance_steps
         self.new_block_bonus = new_block_bonus
@@ -290,10 +289,10 @@ class LisaAdapterCallback(_LisaCallbackBase):
     def _ctor_args(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "activated_layers": self.activated_layers,
-            "interval_steps": self.interval_steps,
-            "sampling": self.sampling,
-            "optimizer_state_policy": self.optimizer_state_policy,
+            "lisa_activated_layers": self.lisa_activated_layers,
+            "lisa_interval_steps": self.lisa_interval_steps,
+            "lisa_sampling": self.lisa_sampling,
+            "lisa_optimizer_state_policy": self.lisa_optimizer_state_policy,
             "mask_update_interval": self.mask_update_interval,
             "importance_steps": self.importance_steps,
             "new_block_bonus": self.new_block_bonus,
@@ -306,13 +305,13 @@ class LisaAdapterCallback(_LisaCallbackBase):
         config = lisa_config_of(model, self.adapter_name)
         if self.layer_scheduler is not None:  # a previous train() on this callback: undo its freezing first
             self.layer_scheduler.restore_trainable()
-        gamma = config.lisa_activated_layers if self.activated_layers is None else self.activated_layers
+        gamma = config.lisa_activated_layers if self.lisa_activated_layers is None else self.lisa_activated_layers
         if gamma == 0:  # nothing is sampled: the layer schedule's settings given here would change nothing
-            given = {"lisa_interval_steps": self.interval_steps, "lisa_sampling": self.sampling,
-                     "lisa_optimizer_state_policy": self.optimizer_state_policy}
+            given = {"lisa_interval_steps": self.lisa_interval_steps, "lisa_sampling": self.lisa_sampling,
+                     "lisa_optimizer_state_policy": self.lisa_optimizer_state_policy}
             check_lisa_settings(
                 {"lisa_activated_layers": 0, **{name: value for name, value in given.items() if value is not None}},
-                where="LisaAdapterCallback ", arguments=_SCHEDULE_ARGUMENTS,
+                where="LisaAdapterCallback ",
             )
         layer_scheduler = None
         if gamma > 0:  # γ <= N is checked where the blocks are known: the sampler
@@ -320,10 +319,10 @@ class LisaAdapterCallback(_LisaCallbackBase):
                 model,
                 adapter_name=self.adapter_name,
                 seed=self.seed,
-                num_active=gamma,
-                interval_steps=self.interval_steps,
-                strategy=self.sampling,
-                optimizer_state_policy=self.optimizer_state_policy,
+                lisa_activated_layers=gamma,
+                lisa_interval_steps=self.lisa_interval_steps,
+                lisa_sampling=self.lisa_sampling,
+                lisa_optimizer_state_policy=self.lisa_optimizer_state_policy,
             )
         if layer_scheduler is not None:
             in_blocks = [name for name, p in model.named_parameters()
@@ -335,20 +334,20 @@ class LisaAdapterCallback(_LisaCallbackBase):
         mask_scheduler = MaskScheduler(
             model,
             adapter_name=self.adapter_name,
-            update_interval=self.mask_update_interval,
+            mask_update_interval=self.mask_update_interval,
             importance_steps=self.importance_steps,
             new_block_bonus=self.new_block_bonus,
-            interval_steps=None if layer_scheduler is None else layer_scheduler.interval_steps,
-            recalibrate=self.recalibrate_masks,
+            lisa_interval_steps=None if layer_scheduler is None else layer_scheduler.lisa_interval_steps,
+            recalibrate_masks=self.recalibrate_masks,
         )
         if not mask_scheduler.layers:
             mask_scheduler = None
         tuner = tuner_of(model)
         interpolation = tuner.interpolation_parameters() if tuner is not None else []
         if not settings_needing_schedule(  # the rule that refuses to train without this callback
-            activated_layers=gamma, num_blocks=layer_scheduler and len(layer_scheduler.block_names),
+            lisa_activated_layers=gamma, num_blocks=layer_scheduler and len(layer_scheduler.block_names),
             sparse=mask_scheduler is not None, uncalibrated=bool(mask_scheduler and not mask_scheduler.calibrated),
-            mask_update_interval=mask_scheduler.update_interval if mask_scheduler else 0,
+            mask_update_interval=mask_scheduler.mask_update_interval if mask_scheduler else 0,
             layer_interpolation=bool(interpolation),
         ):
             warnings.warn(
@@ -360,7 +359,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
         check_engine(args, model, optimizer, layer_scheduler, form="LISA adapter layer switching",
                      trainer=self._trainer)
         self._check_gradients_reachable(optimizer, [
-            "importance sampling" if layer_scheduler is not None and layer_scheduler.strategy == "importance" else "",
+            "importance sampling" if layer_scheduler is not None and layer_scheduler.lisa_sampling == "importance" else "",
             "sparse-mask selection" if mask_scheduler is not None else "",
             "the interpolation penalty" if interpolation else ""])
         if interpolation:
@@ -390,7 +389,7 @@ class LisaAdapterCallback(_LisaCallbackBase):
             if layer_scheduler is not None:
                 layer_scheduler.freeze_all_but_active(optimizer, global_step=state.global_step)
         self._probe_batch = None
-        if mask_scheduler is not None and self.measure_mask_change and mask_scheduler.update_interval:
+        if mask_scheduler is not None and self.measure_mask_change and mask_scheduler.mask_update_interval:
             self._probe_batch = probe_batch(train_dataloader, args.per_device_train_batch_size, device)
         self._model = model
         self._tuner = tuner if interpolation else None
@@ -412,11 +411,11 @@ class LisaAdapterCallback(_LisaCallbackBase):
             return getattr(config, name) if override is None else override
 
         return {
-            "activated_layers": pick(self.activated_layers, "lisa_activated_layers"),
-            "interval_steps": pick(self.interval_steps, "lisa_interval_steps"),
-            "sampling": pick(self.sampling, "lisa_sampling"),
-            "optimizer_state_policy": self.optimizer_state_policy,
-            "layers_attribute": config.lisa_layers_attribute,
+            "lisa_activated_layers": pick(self.lisa_activated_layers, "lisa_activated_layers"),
+            "lisa_interval_steps": pick(self.lisa_interval_steps, "lisa_interval_steps"),
+            "lisa_sampling": pick(self.lisa_sampling, "lisa_sampling"),
+            "lisa_optimizer_state_policy": self.lisa_optimizer_state_policy,
+            "lisa_layers_attribute": config.lisa_layers_attribute,
             "mask_update_interval": pick(self.mask_update_interval, "mask_update_interval"),
             "importance_steps": pick(self.importance_steps, "importance_steps"),
             "new_block_bonus": pick(self.new_block_bonus, "new_block_bonus"),

@@ -41,6 +41,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_lisa.scheduler.active_set import EMBEDDINGS_GROUP, BlockIndex
+from hf_lisa.renamed import RenamedAttribute, renamed_keywords
 from hf_lisa.optim.in_backward import check_in_backward_arguments, steps_in_backward
 
 logger = logging.getLogger(__name__)
@@ -65,18 +66,22 @@ class TrainingMonitorCallback(TrainerCallback):
         plateau_steps (`int`, defaults to `50`): warn (once per plateau) after this many consecutive plateau steps.
         num_block_groups (`int`, defaults to `4`): the transformer blocks are split into this many contiguous groups
             for the update/weight ratios.
-        layers_attribute (`str`, *optional*): dotted path of the block list, overriding discovery.
+        lisa_layers_attribute (`str`, *optional*): dotted path of the block list, overriding discovery
+            (``layers_attribute`` before 0.3, until 0.4 with a ``FutureWarning``).
         update_ratio (`bool`, defaults to `True`): measure update/weight ratios (copies the parameters that receive
             gradients on logging steps).
         prefix (`str`, defaults to `"monitor/"`): prefix of the logged names.
     """
 
+    layers_attribute = RenamedAttribute("lisa_layers_attribute")
+
+    @renamed_keywords("layers_attribute")
     def __init__(
         self,
         plateau_grad_norm: float = 1e-5,
         plateau_steps: int = 50,
         num_block_groups: int = 4,
-        layers_attribute: Optional[str] = None,
+        lisa_layers_attribute: Optional[str] = None,
         update_ratio: bool = True,
         prefix: str = "monitor/",
     ) -> None:
@@ -89,7 +94,7 @@ class TrainingMonitorCallback(TrainerCallback):
         self.plateau_grad_norm = plateau_grad_norm
         self.plateau_steps = plateau_steps
         self.num_block_groups = num_block_groups
-        self.layers_attribute = layers_attribute
+        self.lisa_layers_attribute = lisa_layers_attribute
         self.update_ratio = update_ratio
         self.prefix = prefix
         self.plateau_count = 0
@@ -118,7 +123,7 @@ class TrainingMonitorCallback(TrainerCallback):
     def _build_groups(self, model) -> None:
         """Coarsen the model's block index (the groups LLRD and the LISA schedule use) into the monitored groups."""
         # a model without a recognisable block list is still monitored, as embeddings and head
-        self.index = BlockIndex.of(model, self.layers_attribute, require_blocks=False)
+        self.index = BlockIndex.of(model, self.lisa_layers_attribute, require_blocks=False)
         self._block_params = [list(block.parameters()) for _, block in self.index.blocks]
         n = self.index.num_blocks
         k = min(self.num_block_groups, n) if n else 0

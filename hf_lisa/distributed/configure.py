@@ -81,7 +81,7 @@ def configure_trainer_for_lisa(
     Example:
         ```py
         >>> from hf_lisa.trainer_callbacks import LisaCallback
-        >>> callbacks = [LisaCallback(activated_layers=2)]
+        >>> callbacks = [LisaCallback(lisa_activated_layers=2)]
         >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)  # doctest: +SKIP
         >>> configure_trainer_for_lisa(trainer, comm_hook="fp16")  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP

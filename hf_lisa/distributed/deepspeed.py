@@ -88,7 +88,8 @@ class DeepSpeedLayerSwitcher:
         ```py
         >>> params = model.parameters()  # every candidate trainable  # doctest: +SKIP
         >>> engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)  # doctest: +SKIP
-        >>> scheduler = LayerwiseScheduler(engine.module, num_active=2, interval_steps=20)  # doctest: +SKIP
+        >>> scheduler = LayerwiseScheduler(  # doctest: +SKIP
+        ...     engine.module, lisa_activated_layers=2, lisa_interval_steps=20)
         >>> switcher = DeepSpeedLayerSwitcher(engine, scheduler)  # doctest: +SKIP
         >>> switcher.start()  # doctest: +SKIP
         >>> for step, batch in enumerate(loader):  # doctest: +SKIP
@@ -104,9 +105,10 @@ class DeepSpeedLayerSwitcher:
                 f"DeepSpeedLayerSwitcher needs ZeRO stage 1, 2 or 3 (got stage {stage}); without ZeRO the engine's "
                 "optimizer holds the model's own parameters and LISA's usual freezing applies."
             )
-        if scheduler.optimizer_state_policy != "drop":
+        if scheduler.lisa_optimizer_state_policy != "drop":
             raise UnsupportedEngineError(
-                f"lisa_optimizer_state_policy={scheduler.optimizer_state_policy!r} cannot work under DeepSpeed ZeRO: "
+                f"lisa_optimizer_state_policy={scheduler.lisa_optimizer_state_policy!r} cannot work under DeepSpeed "
+                "ZeRO: "
                 "the state of a block lives in the flat partitions of the ZeRO optimizer, which is rebuilt over the "
                 "new trainable set at every switch. Use lisa_optimizer_state_policy='drop'."
             )

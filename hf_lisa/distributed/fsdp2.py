@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..scheduler.state import LISA_STATE_FILE, load_schedule, save_schedule
+from ..renamed import renamed_keywords
 from .guards import (
     FSDP2_UNFREEZE_FIXED_IN,
     UnsupportedEngineError,
@@ -81,13 +82,14 @@ def install_fsdp2_unfreeze_fix(model: nn.Module) -> bool:
     return True
 
 
+@renamed_keywords("layers_attribute")
 def fully_shard_blocks(
     model: nn.Module,
     mesh=None,
     mp_policy=None,
     reshard_after_forward: bool = True,
     offload_policy=None,
-    layers_attribute: Optional[str] = None,
+    lisa_layers_attribute: Optional[str] = None,
 ) -> nn.Module:
     """Apply FSDP2's ``fully_shard`` to every transformer block, then to the root; ready for LISA switching.
 
@@ -102,7 +104,7 @@ def fully_shard_blocks(
         >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
         >>> model = fully_shard_blocks(model, mp_policy=policy)  # doctest: +SKIP
         >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # doctest: +SKIP
-        >>> scheduler = LayerwiseScheduler(model, num_active=2, interval_steps=20)  # doctest: +SKIP
+        >>> scheduler = LayerwiseScheduler(model, lisa_activated_layers=2, lisa_interval_steps=20)  # doctest: +SKIP
         >>> scheduler.freeze_all_but_active(optimizer)  # doctest: +SKIP
         ```
     """
@@ -115,7 +117,7 @@ def fully_shard_blocks(
         kwargs["mp_policy"] = mp_policy
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
-    for _, block in BlockIndex.of(model, layers_attribute).blocks:  # the index the LISA scheduler reads too
+    for _, block in BlockIndex.of(model, lisa_layers_attribute).blocks:  # the index the LISA scheduler reads too
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     install_fsdp2_unfreeze_fix(model)

@@ -170,9 +170,9 @@ def _training_rows(method: str, adapter_config: Optional[dict], summary: Trainin
         share = 100 * trainable["trainable_params"] / trainable["total_params"]
         rows.append(("Trainable parameters at the start", f"{trainable['trainable_params']:,} of "
                                                           f"{trainable['total_params']:,} ({share:.3g} %)"))
-    gamma = take("activated_layers", "lisa_activated_layers")
-    interval, sampling = take("interval_steps", "lisa_interval_steps"), take("sampling", "lisa_sampling")
-    policy = take("optimizer_state_policy")
+    gamma = take("lisa_activated_layers")
+    interval, sampling = take("lisa_interval_steps"), take("lisa_sampling")
+    policy = take("lisa_optimizer_state_policy")
     if gamma:
         rows.append(("Layer sampling", f"γ = {gamma} blocks active at a time, switched every K = {_fmt(interval)} "
                                        f"optimizer steps, {_fmt(sampling)} sampling"))
@@ -180,10 +180,10 @@ def _training_rows(method: str, adapter_config: Optional[dict], summary: Trainin
             rows.append(("Optimizer state of a block switched off", _fmt(policy)))
     elif is_lisa_adapter:
         rows.append(("Layer sampling", "off: every block's adapter trains (γ = 0)"))
-    if "always_trainable" in lisa:
-        always = lisa.pop("always_trainable")
+    if "lisa_always_trainable" in lisa:
+        always = lisa.pop("lisa_always_trainable")
         rows.append(("Always trainable", _fmt(always) if always else "nothing besides the sampled blocks"))
-    attribute = take("layers_attribute", "lisa_layers_attribute")
+    attribute = take("lisa_layers_attribute")
     if attribute:
         rows.append(("Block list", f"`{attribute}`"))
     if is_lisa_adapter:

@@ -3,7 +3,7 @@
 ``hf_lisa.train`` builds it once at the end of a run and writes it as ``training_summary.json``; the card renderer and
 ``push_to_hub`` take the object itself. Reading the file back (:meth:`TrainingSummary.from_dir`) is for pushing an
 output directory later, e.g. with ``hf-lisa push OUTPUT_DIR REPO``. This module is a leaf: it imports no other part
-of hf-lisa, so the training job and the Hub code can both depend on it.
+of hf-lisa but the leaf :mod:`hf_lisa.renamed`, so the training job and the Hub code can both depend on it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
+
+from ..renamed import new_names
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,10 @@ class TrainingSummary:
     Args:
         base_model: Hub id of the base model (a local path is kept here but left out of the card's metadata).
         method: ``"lisa"``, ``"lisa-adapter"``, ``"lora"``, ``"dora"`` or ``"full"``.
-        lisa: the settings the method used, and only those (``activated_layers``, ``interval_steps``, ``sampling``,
-            ``r``, ``sparsity``, ...): the model card lists them, less those a choice switched off.
+        lisa: the settings the method used, and only those, by their one name (``lisa_activated_layers``,
+            ``lisa_interval_steps``, ``lisa_sampling``, ``r``, ``sparsity``, ...): the model card lists them, less those
+            a choice switched off. A summary written before 0.3 (``activated_layers``, ...) is read with the new
+            names (:func:`hf_lisa.renamed.new_names`).
         hyperparameters: learning rate, steps, batch size, ... as shown in the card.
         metrics: final metrics by name (``eval_loss``, ``eval_exact_match``, ..., ``*_before`` for the start).
         datasets: Hub ids of the training datasets, for the card's ``datasets`` metadata.
@@ -98,6 +102,8 @@ class TrainingSummary:
         if unknown:
             logger.warning("Ignoring training summary keys %s; known keys: %s.", unknown, sorted(names))
         values = {k: v for k, v in data.items() if k in names and v is not None}
+        if isinstance(values.get("lisa"), Mapping):
+            values["lisa"] = new_names(values["lisa"])
         if isinstance(values.get("datasets"), str):
             values["datasets"] = [values["datasets"]]
         return cls(**values)

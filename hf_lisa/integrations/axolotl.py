@@ -171,7 +171,7 @@ def lisa_callbacks(cfg) -> list:
 
         policy = LAYER_SCHEDULE_DEFAULTS["lisa_optimizer_state_policy"] if policy is None else policy
         check_settings({"lisa_optimizer_state_policy": policy}, where=WHERE)
-        return [LisaAdapterCallback(seed=seed, optimizer_state_policy=policy)]
+        return [LisaAdapterCallback(seed=seed, lisa_optimizer_state_policy=policy)]
     return []
 
 
@@ -235,7 +235,7 @@ class LisaPlugin(BasePlugin):
         for callback in list(trainer.callback_handler.callbacks):
             if _is_axolotl_lisa_callback(callback):
                 trainer.remove_callback(callback)
-                settings = (f" (γ={ours[0].activated_layers}, K={ours[0].interval_steps})"
+                settings = (f" (γ={ours[0].lisa_activated_layers}, K={ours[0].lisa_interval_steps})"
                             if ours and isinstance(ours[0], LisaCallback) else "")
                 notice.info("hf-lisa's LISA plugin replaces axolotl's LISACallback: hf-lisa's %s runs the schedule%s; "
                             "axolotl's 'LISA will activate ...' line above came from building the callback taken out.",

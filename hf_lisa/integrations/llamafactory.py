@@ -52,7 +52,7 @@ def split_config(config: Mapping[str, Any]):
         >>> from hf_lisa.integrations.llamafactory import split_config
         >>> args, callback = split_config({"stage": "sft", "finetuning_type": "full", "lisa_activated_layers": 1,
         ...                                "lisa_interval_steps": 10, "output_dir": "out"})
-        >>> sorted(args), callback.activated_layers, callback.interval_steps
+        >>> sorted(args), callback.lisa_activated_layers, callback.lisa_interval_steps
         (['finetuning_type', 'output_dir', 'stage'], 1, 10)
         ```
     """

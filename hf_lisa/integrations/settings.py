@@ -7,7 +7,7 @@ Example:
     >>> from hf_lisa.integrations.settings import full_parameter_callback
     >>> callback = full_parameter_callback({"lisa_activated_layers": 2, "lisa_interval_steps": 50}, seed=0,
     ...                                    where="axolotl config ", keys={"lisa_activated_layers": "lisa_n_layers"})
-    >>> callback.activated_layers, callback.interval_steps, callback.always_trainable
+    >>> callback.lisa_activated_layers, callback.lisa_interval_steps, callback.lisa_always_trainable
     (2, 50, ('embeddings', 'lm_head', 'norm', 'heads'))
     ```
 """
@@ -20,15 +20,15 @@ from ..errors import UsageError
 from ..methods import FULL_LISA
 from ..tuner.config import LAYER_SCHEDULE_DEFAULTS, check_lisa_settings
 
-#: full-parameter LISA's settings (``LisaCallback``'s arguments), by their ``hf-lisa train`` names
-FULL_LISA_SETTINGS = {
-    "lisa_activated_layers": "activated_layers",
-    "lisa_interval_steps": "interval_steps",
-    "lisa_sampling": "sampling",
-    "lisa_optimizer_state_policy": "optimizer_state_policy",
-    "lisa_always_trainable": "always_trainable",
-    "lisa_layers_attribute": "layers_attribute",
-}
+#: full-parameter LISA's settings: ``LisaCallback``'s keywords, which are their ``hf-lisa train`` names too
+FULL_LISA_SETTINGS = (
+    "lisa_activated_layers",
+    "lisa_interval_steps",
+    "lisa_sampling",
+    "lisa_optimizer_state_policy",
+    "lisa_always_trainable",
+    "lisa_layers_attribute",
+)
 
 
 def check_settings(values: Mapping[str, Any], *, where: str, keys: Optional[Mapping[str, str]] = None,
@@ -77,10 +77,9 @@ def full_parameter_callback(settings: Mapping[str, Any], *, seed: int, where: st
         values.setdefault(name, default)
     check_settings({k: v for k, v in values.items() if k not in ("lisa_always_trainable", "lisa_layers_attribute")},
                    where=where, keys=keys, allow_every_block=False)
-    kwargs = {FULL_LISA_SETTINGS[name]: value for name, value in values.items()}
-    if "always_trainable" in kwargs:
-        kwargs["always_trainable"] = always_trainable(kwargs["always_trainable"])
-    return LisaCallback(seed=seed, **kwargs)
+    if "lisa_always_trainable" in values:
+        values["lisa_always_trainable"] = always_trainable(values["lisa_always_trainable"])
+    return LisaCallback(seed=seed, **values)
 
 
 __all__ = ["FULL_LISA_SETTINGS", "always_trainable", "check_settings", "full_parameter_callback"]

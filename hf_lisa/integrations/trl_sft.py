@@ -180,7 +180,7 @@ def lisa_peft_config_and_callbacks(model_args, lisa_args, seed: int):
         config = LisaConfig(task_type=model_args.lora_task_type, **settings)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    callback = LisaAdapterCallback(seed=seed, optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
+    callback = LisaAdapterCallback(seed=seed, lisa_optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
     return config, [callback]
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..blocks import unwrap_model
+from ..renamed import RenamedAttribute, renamed_keywords
 from ..tuner.config import check_lisa_settings
 from .active_set import ActiveSet, BlockIndex
 from .common import SCHEDULER_STATE_VERSION, _numel, lisa_config_of
@@ -46,7 +47,7 @@ class LayerwiseScheduler:
     * **Full-parameter form** (plain transformers model): every parameter is a candidate; ``always_trainable`` picks
       E+H+final norm and task heads by default (:data:`DEFAULT_ALWAYS_TRAINABLE`).
     * **Adapter form** (a ``PeftModel`` with ``LisaConfig``, see :meth:`for_adapter`): the candidates are the adapter's
-      parameters; ``always_trainable=None`` keeps every non-block candidate (layer-interpolation scalars,
+      parameters; ``lisa_always_trainable=None`` keeps every non-block candidate (layer-interpolation scalars,
       ``modules_to_save`` outside the blocks) trainable; a ``modules_to_save`` copy inside a block is a candidate of
       that block and trains with it.
 
@@ -57,25 +58,30 @@ class LayerwiseScheduler:
 
     Args:
         model: the model being trained (optionally wrapped by PEFT or DDP).
-        num_active: γ, blocks active at a time, ``1 <= γ <= N``.
-        interval_steps: K, optimizer steps per period, ``>= 1``.
-        strategy: ``"uniform"``, ``"importance"`` or ``"cyclic"`` (see :class:`~hf_lisa.scheduler.sampler.LayerSampler`).
+        lisa_activated_layers: γ, blocks active at a time, ``1 <= γ <= N``.
+        lisa_interval_steps: K, optimizer steps per period, ``>= 1``.
+        lisa_sampling: ``"uniform"``, ``"importance"`` or ``"cyclic"`` (see
+            :class:`~hf_lisa.scheduler.sampler.LayerSampler`).
         seed: seed of the sampler's private generator; identical on every rank.
-        always_trainable: keywords ``"embeddings"`` (every ``nn.Embedding`` outside the blocks), ``"lm_head"`` (the
+        lisa_always_trainable: keywords ``"embeddings"`` (every ``nn.Embedding`` outside the blocks), ``"lm_head"`` (the
             output embeddings), ``"norm"`` (norm layers outside the blocks, e.g. the final norm) and/or module names
             or regexes (e.g. ``"score"``, ``"classifier"``); ``None`` means every candidate outside the blocks. Tied
             weights are one parameter and are counted once.
-        optimizer_state_policy: ``"drop"`` (default) frees the optimizer state of deactivated parameters; ``"keep"``
-            keeps it, so a re-activated block resumes its old moments.
-        layers_attribute: dotted path of the block list, overriding discovery (``lisa_layers_attribute``).
+        lisa_optimizer_state_policy: ``"drop"`` (default) frees the optimizer state of deactivated parameters;
+            ``"keep"`` keeps it, so a re-activated block resumes its old moments.
+        lisa_layers_attribute: dotted path of the block list, overriding discovery.
         candidate_params: the parameters to schedule; by default those with ``requires_grad=True`` now.
+
+    The names before 0.3 (``num_active``, ``interval_steps``, ``strategy``, ``always_trainable``,
+    ``optimizer_state_policy``, ``layers_attribute``) work until 0.4 with a ``FutureWarning`` (:mod:`hf_lisa.renamed`).
 
     Example:
         ```py
         >>> from hf_lisa.distributed import check_layer_switching_supported
         >>> from hf_lisa.scheduler import LayerwiseScheduler
         >>> optimizer = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
-        >>> scheduler = LayerwiseScheduler(model, num_active=2, interval_steps=20, seed=0)  # doctest: +SKIP
+        >>> scheduler = LayerwiseScheduler(  # doctest: +SKIP
+        ...     model, lisa_activated_layers=2, lisa_interval_steps=20, seed=0)
         >>> check_layer_switching_supported(model, optimizer, params=scheduler.candidates)  # doctest: +SKIP
         >>> scheduler.freeze_all_but_active(optimizer)  # doctest: +SKIP
         >>> for step, batch in enumerate(loader):  # doctest: +SKIP
@@ -84,28 +90,34 @@ class LayerwiseScheduler:
         ```
     """
 
+    num_active = RenamedAttribute("lisa_activated_layers")
+    interval_steps = RenamedAttribute("lisa_interval_steps")
+    strategy = RenamedAttribute("lisa_sampling")
+    optimizer_state_policy = RenamedAttribute("lisa_optimizer_state_policy")
+
+    @renamed_keywords("num_active", "interval_steps", "strategy", "always_trainable", "optimizer_state_policy",
+                      "layers_attribute")
     def __init__(
         self,
         model: nn.Module,
-        num_active: int,
-        interval_steps: int,
-        strategy: str = "uniform",
+        lisa_activated_layers: int,
+        lisa_interval_steps: int,
+        lisa_sampling: str = "uniform",
         seed: int = 0,
-        always_trainable: Optional[Sequence[str]] = DEFAULT_ALWAYS_TRAINABLE,
-        optimizer_state_policy: str = "drop",
-        layers_attribute: Optional[str] = None,
+        lisa_always_trainable: Optional[Sequence[str]] = DEFAULT_ALWAYS_TRAINABLE,
+        lisa_optimizer_state_policy: str = "drop",
+        lisa_layers_attribute: Optional[str] = None,
         candidate_params: Optional[Iterable[nn.Parameter]] = None,
     ) -> None:
         check_lisa_settings(
-            {"lisa_interval_steps": interval_steps, "lisa_optimizer_state_policy": optimizer_state_policy},
+            {"lisa_interval_steps": lisa_interval_steps, "lisa_optimizer_state_policy": lisa_optimizer_state_policy},
             where="LayerwiseScheduler ",
-            arguments={"lisa_interval_steps": "interval_steps", "lisa_optimizer_state_policy": "optimizer_state_policy"},
         )
-        if isinstance(always_trainable, str):
-            always_trainable = (always_trainable,)
-        self.interval_steps = interval_steps
-        self.optimizer_state_policy = optimizer_state_policy
-        self.always_trainable_spec = None if always_trainable is None else tuple(always_trainable)
+        if isinstance(lisa_always_trainable, str):
+            lisa_always_trainable = (lisa_always_trainable,)
+        self.lisa_interval_steps = lisa_interval_steps
+        self.lisa_optimizer_state_policy = lisa_optimizer_state_policy
+        self.always_trainable_spec = None if lisa_always_trainable is None else tuple(lisa_always_trainable)
 
         if candidate_params is None:
             candidate_params = [p for p in model.parameters() if p.requires_grad]
@@ -122,7 +134,7 @@ class LayerwiseScheduler:
         self.block_params: list[list[nn.Parameter]] = []
         self.skipped_blocks: list[str] = []
         seen: set[int] = set()
-        self.index = BlockIndex.of(model, layers_attribute)
+        self.index = BlockIndex.of(model, lisa_layers_attribute)
         blocks = dict(self.index.blocks)
         for name, block in blocks.items():
             params = [p for p in block.parameters() if id(p) in candidate_ids and id(p) not in seen]
@@ -151,40 +163,42 @@ class LayerwiseScheduler:
             id(m): dict(m.frozen_peft_weight_names) for layers in self.block_tuner_layers for m in layers
         }
 
-        self.sampler = LayerSampler(len(self.block_names), num_active, strategy, seed)
+        self.sampler = LayerSampler(len(self.block_names), lisa_activated_layers, lisa_sampling, seed)
         self.active_set = ActiveSet(self.index, self.block_names)
         self.last_switch_step: Optional[int] = None
         self.history: list[tuple[int, list[int]]] = []  # (global_step, active blocks) of every switch this session
 
     @classmethod
+    @renamed_keywords("num_active", "interval_steps", "strategy", "optimizer_state_policy", "layers_attribute")
     def for_adapter(
         cls,
         model: nn.Module,
         adapter_name: Optional[str] = None,
         seed: int = 0,
-        num_active: Optional[int] = None,
-        interval_steps: Optional[int] = None,
-        strategy: Optional[str] = None,
-        optimizer_state_policy: str = "drop",
-        layers_attribute: Optional[str] = None,
+        lisa_activated_layers: Optional[int] = None,
+        lisa_interval_steps: Optional[int] = None,
+        lisa_sampling: Optional[str] = None,
+        lisa_optimizer_state_policy: str = "drop",
+        lisa_layers_attribute: Optional[str] = None,
     ) -> Optional["LayerwiseScheduler"]:
         """Build the scheduler of a ``PeftModel`` with a ``LisaConfig``; ``None`` if γ = 0 (every adapter trains).
 
         γ, K, the strategy and the block path come from the adapter's config unless overridden.
         """
         config = lisa_config_of(model, adapter_name)
-        num_active = config.lisa_activated_layers if num_active is None else num_active
-        if num_active == 0:
+        gamma = config.lisa_activated_layers if lisa_activated_layers is None else lisa_activated_layers
+        if gamma == 0:
             return None
         return cls(
             model,
-            num_active=num_active,
-            interval_steps=config.lisa_interval_steps if interval_steps is None else interval_steps,
-            strategy=config.lisa_sampling if strategy is None else strategy,
+            lisa_activated_layers=gamma,
+            lisa_interval_steps=config.lisa_interval_steps if lisa_interval_steps is None else lisa_interval_steps,
+            lisa_sampling=config.lisa_sampling if lisa_sampling is None else lisa_sampling,
             seed=seed,
-            always_trainable=None,
-            optimizer_state_policy=optimizer_state_policy,
-            layers_attribute=config.lisa_layers_attribute if layers_attribute is None else layers_attribute,
+            lisa_always_trainable=None,
+            lisa_optimizer_state_policy=lisa_optimizer_state_policy,
+            lisa_layers_attribute=(config.lisa_layers_attribute if lisa_layers_attribute is None
+                                   else lisa_layers_attribute),
         )
 
     # -- the always-trainable set -------------------------------------------------------------------------------------
@@ -264,19 +278,21 @@ class LayerwiseScheduler:
 
         Only then does the distributed engine have to support a changing trainable set.
         """
-        return self.num_active < self.num_blocks or bool(self.frozen_params)
+        return self.lisa_activated_layers < self.num_blocks or bool(self.frozen_params)
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_names)
 
     @property
-    def num_active(self) -> int:
-        return self.sampler.num_active
+    def lisa_activated_layers(self) -> int:
+        """γ, the blocks active at a time."""
+        return self.sampler.lisa_activated_layers
 
     @property
-    def strategy(self) -> str:
-        return self.sampler.strategy
+    def lisa_sampling(self) -> str:
+        """How the blocks are drawn: ``"uniform"``, ``"importance"`` or ``"cyclic"``."""
+        return self.sampler.lisa_sampling
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The parameters that train in the current period: always-trainable + active blocks."""
@@ -298,7 +314,7 @@ class LayerwiseScheduler:
         self.enforce()
         for p in frozen:
             p.grad = None
-        if optimizer is not None and self.optimizer_state_policy == "drop":
+        if optimizer is not None and self.lisa_optimizer_state_policy == "drop":
             drop_optimizer_state(optimizer, frozen)
         return list(self.active)
 
@@ -349,7 +365,7 @@ class LayerwiseScheduler:
         """
         if not self.active:
             raise RuntimeError("call freeze_all_but_active() once before the first maybe_switch()")
-        if global_step % self.interval_steps != 0 or global_step == self.last_switch_step:
+        if global_step % self.lisa_interval_steps != 0 or global_step == self.last_switch_step:
             return False
         self.switch_to(self.sampler.sample(), optimizer, global_step)
         return True
@@ -361,7 +377,7 @@ class LayerwiseScheduler:
         deactivated = [p for b in sorted(old - set(new)) for p in self.block_params[b]]
         for p in deactivated:
             p.grad = None
-        if optimizer is not None and self.optimizer_state_policy == "drop":
+        if optimizer is not None and self.lisa_optimizer_state_policy == "drop":
             drop_optimizer_state(optimizer, deactivated)
         self.enforce()
         if global_step is not None:
@@ -409,8 +425,8 @@ class LayerwiseScheduler:
         return {
             "version": SCHEDULER_STATE_VERSION,
             "block_names": list(self.block_names),
-            "interval_steps": self.interval_steps,
-            "optimizer_state_policy": self.optimizer_state_policy,
+            "interval_steps": self.lisa_interval_steps,  # the format's keys, unchanged since 0.1
+            "optimizer_state_policy": self.lisa_optimizer_state_policy,
             "sampler": self.sampler.state_dict(),
             "active": list(self.active),
             "last_switch_step": self.last_switch_step,
@@ -424,10 +440,10 @@ class LayerwiseScheduler:
                 f"{list(state['block_names'])} but this model has {self.block_names}. Resume with the same model and "
                 "lisa_layers_attribute."
             )
-        if state["interval_steps"] != self.interval_steps:
+        if state["interval_steps"] != self.lisa_interval_steps:
             raise ValueError(
-                f"Cannot resume the LISA layer schedule: the checkpoint has interval_steps (lisa_interval_steps, K)="
-                f"{state['interval_steps']} but this run has {self.interval_steps}; the run would follow neither "
+                f"Cannot resume the LISA layer schedule: the checkpoint has lisa_interval_steps (K)="
+                f"{state['interval_steps']} but this run has {self.lisa_interval_steps}; the run would follow neither "
                 "schedule. Resume with the checkpoint's K, or start a new run."
             )
         self.sampler.load_state_dict(state["sampler"])

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..tuner import masks as M
 from ..tuner.config import check_lisa_settings
+from ..renamed import RenamedAttribute, renamed_keywords
 from .common import SCHEDULER_STATE_VERSION, _active_adapter_name, lisa_config_of
 from .state import check_state_version
 
@@ -61,7 +62,7 @@ class MaskScheduler:
       caller that drives :meth:`step`/:meth:`end_step` alone, calibrates *in training* instead: its first W
       trainable steps (at most ⌊K/2⌋ under layerwise sampling, :attr:`calibration_window`) gather the importance
       while its ``A`` and ``B`` get no update (:meth:`end_step` withholds their gradients). A loaded, trained adapter
-      (``B ≠ 0``) keeps its masks unless ``recalibrate=True``.
+      (``B ≠ 0``) keeps its masks unless ``recalibrate_masks=True``.
     * **Re-selection**: once per interval ``[kU, (k+1)U)`` in which the layer trains, after it has gathered W steps of
       importance *while trainable*, at the start of an optimizer step in which it still trains (never the step that
       freezes its block). With layerwise sampling, W is capped at K − 1 so that the window completes, and the
@@ -69,8 +70,8 @@ class MaskScheduler:
     * **Importance**: the hook on ``M ⊙ (B A)`` sums the *signed* ``∂L/∂W`` over the micro-batches of a step (summed
       over ranks under DDP); ``|·|`` of each step's sum, pooled on the selection grid, is added to the window's
       score. The split of a batch into micro-batches therefore does not change the mask.
-    * **Score**: ``|∂L/∂W| / mean + keep_learned · |ΔW| / mean``, plus the ``new_block_bonus`` for cells switched on
-      at the previous update. The second term keeps what the adapter has learned: scoring by the gradient alone drops
+    * **Score**: ``|∂L/∂W| / mean + mask_keep_learned · |ΔW| / mean``, plus the ``new_block_bonus`` for cells switched
+      on at the previous update. The second term keeps what the adapter has learned: scoring by the gradient alone drops
       17% of ``ΔW``'s energy per re-selection on SmolLM2-135M (up to 21%), against 0.3% with it
       (``benchmarks/mask_reselection.py``).
       Entries dropped from ``M`` vanish at once (an abrupt change); each record carries the retained energy and, with
@@ -79,53 +80,45 @@ class MaskScheduler:
     Args:
         model: a ``PeftModel`` whose adapter has a ``LisaConfig``.
         adapter_name: the adapter to schedule (default: the active adapter).
-        update_interval / importance_steps / new_block_bonus / mask_init / keep_learned: override the config's
-            ``mask_update_interval`` / ``importance_steps`` / ``new_block_bonus`` / ``mask_init`` /
-            ``mask_keep_learned``.
-        interval_steps: K of the layerwise schedule, if any; caps the importance window.
-        recalibrate: calibrate the masks of trained adapters too (their function changes at the selection).
+        mask_update_interval / importance_steps / new_block_bonus / mask_init / mask_keep_learned: override the
+            config's settings of these names.
+        lisa_interval_steps: K of the layerwise schedule, if any; caps the importance window.
+        recalibrate_masks: calibrate the masks of trained adapters too (their function changes at the selection).
+            The names before 0.3 work until 0.4 (:mod:`hf_lisa.renamed`).
     """
 
+    update_interval = RenamedAttribute("mask_update_interval")
+    keep_learned = RenamedAttribute("mask_keep_learned")
+
+    @renamed_keywords("update_interval", "keep_learned", "interval_steps", "recalibrate")
     def __init__(
         self,
         model: nn.Module,
         adapter_name: Optional[str] = None,
-        update_interval: Optional[int] = None,
+        mask_update_interval: Optional[int] = None,
         importance_steps: Optional[int] = None,
         new_block_bonus: Optional[float] = None,
         mask_init: Optional[str] = None,
-        keep_learned: Optional[float] = None,
-        interval_steps: Optional[int] = None,
-        recalibrate: bool = False,
+        mask_keep_learned: Optional[float] = None,
+        lisa_interval_steps: Optional[int] = None,
+        recalibrate_masks: bool = False,
     ) -> None:
         from ..tuner.layer import LisaLayer
 
         config = lisa_config_of(model, adapter_name)
         self.adapter_name = _active_adapter_name(model, adapter_name)
-        self.update_interval = config.mask_update_interval if update_interval is None else update_interval
-        self.importance_steps = config.importance_steps if importance_steps is None else importance_steps
-        self.new_block_bonus = config.new_block_bonus if new_block_bonus is None else new_block_bonus
-        self.mask_init = config.mask_init if mask_init is None else mask_init
-        self.keep_learned = config.mask_keep_learned if keep_learned is None else keep_learned
-        check_lisa_settings(
-            {
-                "mask_update_interval": self.update_interval,
-                "importance_steps": self.importance_steps,
-                "new_block_bonus": self.new_block_bonus,
-                "mask_keep_learned": self.keep_learned,
-            },
-            where="MaskScheduler ",
-            arguments={"mask_update_interval": "update_interval", "mask_keep_learned": "keep_learned"},
-        )
+        given = dict(mask_update_interval=mask_update_interval, importance_steps=importance_steps,
+                     new_block_bonus=new_block_bonus, mask_init=mask_init, mask_keep_learned=mask_keep_learned)
+        for name, value in given.items():  # the config's value unless given here
+            setattr(self, name, getattr(config, name) if value is None else value)
+        check_lisa_settings({name: getattr(self, name) for name in given if name != "mask_init"},
+                            where="MaskScheduler ")
         # a block trains K steps at a time: the window must complete, and the selection happen, inside one period
-        self.window = (
-            self.importance_steps if interval_steps is None else min(self.importance_steps, max(1, interval_steps - 1))
-        )
+        K = lisa_interval_steps
+        self.window = self.importance_steps if K is None else min(self.importance_steps, max(1, K - 1))
         #: the steps of a fresh layer's calibration *in training* (its update withheld): at most half of a block's
         #: active period. :meth:`calibrate`, outside the training steps, takes the whole ``importance_steps``.
-        self.calibration_window = (
-            self.window if interval_steps is None else min(self.window, max(1, interval_steps // 2))
-        )
+        self.calibration_window = self.window if K is None else min(self.window, max(1, K // 2))
         self.layers: list[tuple[str, Any]] = [
             (name, module)
             for name, module in model.named_modules()
@@ -141,7 +134,8 @@ class MaskScheduler:
         self.window_steps: dict[str, int] = {name: 0 for name, _ in self.layers}
         self.selected_interval: dict[str, Optional[int]] = {name: None for name, _ in self.layers}
         self.fresh: dict[str, bool] = {
-            name: self.mask_init == "importance" and (recalibrate or not bool(layer.lisa_B[self.adapter_name].weight.any()))
+            name: self.mask_init == "importance"
+            and (recalibrate_masks or not bool(layer.lisa_B[self.adapter_name].weight.any()))
             for name, layer in self.layers
         }
         self.num_updates = 0
@@ -171,13 +165,13 @@ class MaskScheduler:
         return bool(layer.lisa_B[self.adapter_name].weight.requires_grad)
 
     def _interval(self, global_step: int) -> int:
-        return global_step // self.update_interval if self.update_interval else 0
+        return global_step // self.mask_update_interval if self.mask_update_interval else 0
 
     def _pending(self, name: str, global_step: int) -> bool:
         """Whether layer ``name`` still owes a selection: calibration, or this interval's re-selection."""
         if self.fresh[name]:
             return True
-        if not self.update_interval:
+        if not self.mask_update_interval:
             return False
         last = self.selected_interval[name]
         return last is None or last < self._interval(global_step)
@@ -372,7 +366,7 @@ class MaskScheduler:
                 layer._delta_out_in(self.adapter_name).detach().abs().float().to(importance.device),
                 spec["structure"], spec["block_size"],
             )
-        scores = M.reselection_scores(importance, learned, self.keep_learned)
+        scores = M.reselection_scores(importance, learned, self.mask_keep_learned)
         previous_new = self.new_cells.get(name)
         if previous_new is not None and self.new_block_bonus > 0:
             scores = M.add_new_block_bonus(scores, current, previous_new.to(scores.device), self.new_block_bonus)
@@ -450,7 +444,7 @@ class MaskScheduler:
             "version": SCHEDULER_STATE_VERSION,
             "adapter_name": self.adapter_name,
             "layers": [name for name, _ in self.layers],
-            "update_interval": self.update_interval,
+            "update_interval": self.mask_update_interval,  # the format's key, unchanged since 0.1
             "importance_steps": self.importance_steps,
             "num_updates": self.num_updates,
             "fresh": dict(self.fresh),
@@ -475,12 +469,12 @@ class MaskScheduler:
                 "The adapter masks loaded from the checkpoint differ from the masks the schedule saved with it. Resume "
                 "from a checkpoint written by the same run (model weights and trainer_state.json together)."
             )
-        for key in ("update_interval", "importance_steps"):
-            if state[key] != getattr(self, key):
+        for key, name in (("update_interval", "mask_update_interval"), ("importance_steps", "importance_steps")):
+            if state[key] != getattr(self, name):
                 raise ValueError(
-                    f"Cannot resume the mask schedule with {key}={getattr(self, key)}: the checkpoint was written with "
-                    f"{key}={state[key]}, and the resumed run would not follow the original path. Resume with the same "
-                    "value."
+                    f"Cannot resume the mask schedule with {name}={getattr(self, name)}: the checkpoint was written "
+                    f"with {name}={state[key]}, and the resumed run would not follow the original path. Resume with "
+                    "the same value."
                 )
         self.num_updates = int(state["num_updates"])
         self.fresh = {name: bool(state["fresh"][name]) for name in names}

@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 from torch import nn
 
 from .active_set import EMBEDDINGS_GROUP, HEAD_GROUP, BlockIndex, block_group_name
+from ..renamed import renamed_keywords
 
 __all__ = [
     "EMBEDDINGS_GROUP",
@@ -53,15 +54,16 @@ def layerwise_lr(lr: float, decay: float, num_blocks: int, group: str) -> float:
     return lr * decay ** (num_blocks - 1 - index)
 
 
+@renamed_keywords("layers_attribute")
 def assign_param_groups(
-    model: nn.Module, layers_attribute: Optional[str] = None
+    model: nn.Module, lisa_layers_attribute: Optional[str] = None
 ) -> tuple[dict[str, str], int]:
     """Map every parameter name of ``model`` to its LLRD group; also return the number of blocks.
 
     Names are those of ``model.named_parameters()`` (works through PeftModel and DDP wrappers). The map is the
     model's :class:`~hf_lisa.scheduler.active_set.BlockIndex` group map, the one the monitor and the summary read.
     """
-    index = BlockIndex.of(model, layers_attribute)
+    index = BlockIndex.of(model, lisa_layers_attribute)
     return dict(index.groups), index.num_blocks
 
 
@@ -69,13 +71,14 @@ def _is_interpolation_scalar(name: str) -> bool:
     return any(part in ("lisa_interp_delta", "lisa_interp_beta") for part in name.split("."))
 
 
+@renamed_keywords("layers_attribute")
 def layerwise_lr_decay_param_groups(
     model: nn.Module,
     lr: float,
     decay: float,
     weight_decay: float = 0.0,
     no_decay_names: Optional[Iterable[str]] = None,
-    layers_attribute: Optional[str] = None,
+    lisa_layers_attribute: Optional[str] = None,
 ) -> list[dict]:
     """Optimizer parameter groups implementing layer-wise learning-rate decay (formula in the module docstring).
 
@@ -86,7 +89,7 @@ def layerwise_lr_decay_param_groups(
         weight_decay: weight decay of the parameters not in ``no_decay_names``.
         no_decay_names: parameter names without weight decay (the Trainer's biases and norms); `None` decays all.
             LISA's layer-interpolation scalars (``lisa_interp_delta``/``lisa_interp_beta``) never decay.
-        layers_attribute: dotted path of the block list, overriding discovery.
+        lisa_layers_attribute: dotted path of the block list, overriding discovery.
 
     Returns:
         A list of ``{"params", "lr", "weight_decay", "name"}`` dicts, head first (the Trainer logs the first group's
@@ -95,7 +98,7 @@ def layerwise_lr_decay_param_groups(
     """
     if not 0.0 < decay <= 1.0:
         raise ValueError(f"layerwise_lr_decay={decay!r} is invalid; allowed: a float in (0, 1] (1 disables decay).")
-    index = BlockIndex.of(model, layers_attribute)
+    index = BlockIndex.of(model, lisa_layers_attribute)
     no_decay = set(no_decay_names or ())
     grouped: dict[str, dict] = {}
     seen: set[int] = set()

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..tuner.config import LAYER_SAMPLING_STRATEGIES, is_int, check_lisa_settings
+from ..renamed import RenamedAttribute, renamed_keywords
 
 __all__ = ["LAYER_SAMPLING_STRATEGIES", "LayerSampler"]
 
@@ -41,24 +42,29 @@ class LayerSampler:
 
     Args:
         num_layers: N, the number of blocks to choose from.
-        num_active: γ, the number of blocks active at a time (``lisa_activated_layers``), ``1 <= γ <= N``.
-        strategy: ``"uniform"``, ``"importance"`` or ``"cyclic"`` (see the module docstring).
+        lisa_activated_layers: γ, the number of blocks active at a time, ``1 <= γ <= N`` (``num_active`` before 0.3).
+        lisa_sampling: ``"uniform"``, ``"importance"`` or ``"cyclic"`` (see the module docstring; ``strategy`` before
+            0.3).
         seed: seed of the private generator; the same seed gives the same sequence in every process.
         importance_decay: decay of the running gradient-norm average of the ``"importance"`` strategy.
         importance_floor: share of the probability mass spread uniformly over all blocks (``"importance"`` only).
 
     Example:
-        >>> sampler = LayerSampler(num_layers=8, num_active=2, strategy="cyclic", seed=0)
+        >>> sampler = LayerSampler(num_layers=8, lisa_activated_layers=2, lisa_sampling="cyclic", seed=0)
         >>> blocks = [b for _ in range(4) for b in sampler.sample()]
         >>> sorted(blocks)  # one cycle: every block exactly once
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
 
+    num_active = RenamedAttribute("lisa_activated_layers")
+    strategy = RenamedAttribute("lisa_sampling")
+
+    @renamed_keywords("num_active", "strategy")
     def __init__(
         self,
         num_layers: int,
-        num_active: int,
-        strategy: str = "uniform",
+        lisa_activated_layers: int,
+        lisa_sampling: str = "uniform",
         seed: int = 0,
         importance_decay: float = 0.9,
         importance_floor: float = 0.1,
@@ -67,9 +73,8 @@ class LayerSampler:
             raise ValueError(f"num_layers={num_layers!r} is invalid; the model must have at least one block.")
         # γ <= N is checked here, where N is known, by the rules every other LISA setting follows
         check_lisa_settings(
-            {"lisa_activated_layers": num_active, "lisa_sampling": strategy},
+            {"lisa_activated_layers": lisa_activated_layers, "lisa_sampling": lisa_sampling},
             where="LayerSampler ",
-            arguments={"lisa_activated_layers": "num_active", "lisa_sampling": "strategy"},
             allow_every_block=False,
             num_blocks=num_layers,
         )
@@ -80,8 +85,8 @@ class LayerSampler:
         if not 0.0 < importance_floor <= 1.0:
             raise ValueError(f"importance_floor={importance_floor!r} is invalid; allowed: a float in (0, 1].")
         self.num_layers = num_layers
-        self.num_active = num_active
-        self.strategy = strategy
+        self.lisa_activated_layers = lisa_activated_layers
+        self.lisa_sampling = lisa_sampling
         self.seed = seed
         self.importance_decay = importance_decay
         self.importance_floor = importance_floor
@@ -93,20 +98,20 @@ class LayerSampler:
     # -- drawing -------------------------------------------------------------------------------------------------------
     def sample(self) -> list[int]:
         """Propose the blocks of the next period: sorted, distinct block indices. The caller decides and holds them."""
-        if self.strategy == "uniform":
-            chosen = torch.randperm(self.num_layers, generator=self.generator)[: self.num_active].tolist()
-        elif self.strategy == "cyclic":
+        if self.lisa_sampling == "uniform":
+            chosen = torch.randperm(self.num_layers, generator=self.generator)[: self.lisa_activated_layers].tolist()
+        elif self.lisa_sampling == "cyclic":
             chosen = self._sample_cyclic()
         else:
             chosen = torch.multinomial(
-                self.probabilities(), self.num_active, replacement=False, generator=self.generator
+                self.probabilities(), self.lisa_activated_layers, replacement=False, generator=self.generator
             ).tolist()
         self.num_draws += 1
         return sorted(int(b) for b in chosen)
 
     def _sample_cyclic(self) -> list[int]:
         chosen: list[int] = []
-        while len(chosen) < self.num_active:
+        while len(chosen) < self.lisa_activated_layers:
             pick = next((i for i, b in enumerate(self._queue) if b not in chosen), None)
             if pick is None:  # queue empty, or it only holds blocks already in this draw: start the next cycle
                 self._queue.extend(torch.randperm(self.num_layers, generator=self.generator).tolist())
@@ -118,7 +123,7 @@ class LayerSampler:
         """Per-block sampling probabilities of one draw (float64). Uniform for ``"uniform"``/``"cyclic"``."""
         n = self.num_layers
         known = [s for s in self.scores if s is not None]
-        if self.strategy != "importance" or not known or max(known) <= 0:
+        if self.lisa_sampling != "importance" or not known or max(known) <= 0:
             return torch.full((n,), 1.0 / n, dtype=torch.float64)
         optimistic = max(known)
         scores = torch.tensor([optimistic if s is None else s for s in self.scores], dtype=torch.float64)
@@ -130,7 +135,7 @@ class LayerSampler:
         Called once per optimizer step for the active blocks by the scheduler when ``strategy == "importance"``;
         ignored otherwise. Non-finite values (an overflowing fp16 step) are skipped.
         """
-        if self.strategy != "importance":
+        if self.lisa_sampling != "importance":
             return
         for index, value in grad_norms.items():
             if not 0 <= int(index) < self.num_layers:
@@ -146,12 +151,13 @@ class LayerSampler:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact same sequence: settings, generator state, counters, scores.
 
-        The active set is not part of it: the scheduler that holds it saves it (``"active"``).
+        The active set is not part of it: the scheduler that holds it saves it (``"active"``). The keys are the
+        format's (``num_active`` is γ, ``strategy`` the sampling), unchanged since 0.1 so that every state loads.
         """
         return {
             "num_layers": self.num_layers,
-            "num_active": self.num_active,
-            "strategy": self.strategy,
+            "num_active": self.lisa_activated_layers,
+            "strategy": self.lisa_sampling,
             "seed": self.seed,
             "importance_decay": self.importance_decay,
             "importance_floor": self.importance_floor,
@@ -166,12 +172,13 @@ class LayerSampler:
 
         States written by hf-lisa 0.1 also carry ``"current"``, a copy of the scheduler's active set; it is ignored.
         """
-        for key in ("num_layers", "num_active", "strategy"):
-            if state[key] != getattr(self, key):
+        for key, name in (("num_layers", "num_layers"), ("num_active", "lisa_activated_layers"),
+                          ("strategy", "lisa_sampling")):
+            if state[key] != getattr(self, name):
                 raise ValueError(
-                    f"Cannot restore the layer sampler: the checkpoint has {key}={state[key]!r} but this run has "
-                    f"{key}={getattr(self, key)!r}. Resume with the settings of the checkpointed run, or start a new "
-                    "run."
+                    f"Cannot restore the layer sampler: the checkpoint has {name}={state[key]!r} but this run has "
+                    f"{name}={getattr(self, name)!r}. Resume with the settings of the checkpointed run, or start a "
+                    "new run."
                 )
         self.seed = state["seed"]
         self.importance_decay = state["importance_decay"]
@@ -183,6 +190,6 @@ class LayerSampler:
 
     def __repr__(self) -> str:
         return (
-            f"LayerSampler(num_layers={self.num_layers}, num_active={self.num_active}, strategy={self.strategy!r}, "
-            f"seed={self.seed}, num_draws={self.num_draws})"
+            f"LayerSampler(num_layers={self.num_layers}, lisa_activated_layers={self.lisa_activated_layers}, "
+            f"lisa_sampling={self.lisa_sampling!r}, seed={self.seed}, num_draws={self.num_draws})"
         )

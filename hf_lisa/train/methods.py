@@ -58,17 +58,6 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
     return model, tokenizer
 
 
-#: the summary's names of the schedule settings (``training_summary.json`` and the model card read these)
-_SUMMARY_NAMES = {
-    "lisa_activated_layers": "activated_layers",
-    "lisa_interval_steps": "interval_steps",
-    "lisa_sampling": "sampling",
-    "lisa_layers_attribute": "layers_attribute",
-    "lisa_optimizer_state_policy": "optimizer_state_policy",
-    "lisa_always_trainable": "always_trainable",
-}
-
-
 #: PEFT task types by the model class's head suffix; any other model is wrapped as a causal LM
 _TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
                "ForQuestionAnswering": "QUESTION_ANS"}
@@ -93,11 +82,7 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
         "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy,
         "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
     }
-    return {
-        _SUMMARY_NAMES.get(name, name): value
-        for name, value in settings.items()
-        if uses(lisa_args.method, name)
-    }
+    return {name: value for name, value in settings.items() if uses(lisa_args.method, name)}
 
 
 def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
@@ -112,13 +97,13 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
         from hf_lisa.trainer_callbacks import LisaCallback
 
         callback = LisaCallback(
-            activated_layers=settings["lisa_activated_layers"],
-            interval_steps=settings["lisa_interval_steps"],
-            sampling=settings["lisa_sampling"],
+            lisa_activated_layers=settings["lisa_activated_layers"],
+            lisa_interval_steps=settings["lisa_interval_steps"],
+            lisa_sampling=settings["lisa_sampling"],
             seed=seed,
-            always_trainable=tuple(_always_trainable(lisa_args)),
-            optimizer_state_policy=lisa_args.lisa_optimizer_state_policy,
-            layers_attribute=settings["lisa_layers_attribute"],
+            lisa_always_trainable=tuple(_always_trainable(lisa_args)),
+            lisa_optimizer_state_policy=lisa_args.lisa_optimizer_state_policy,
+            lisa_layers_attribute=settings["lisa_layers_attribute"],
         )
         return model, [callback]
     if not method.is_adapter:
@@ -137,7 +122,7 @@ def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
             # γ = 0, ρ = 0, no interpolation: the same update as LoRA, nothing for the schedule to do; the start line
             # and the card say so (no callback, so no "nothing to schedule" warning a CLI user cannot act on)
             return peft_model, []
-        callback = LisaAdapterCallback(seed=seed, optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
+        callback = LisaAdapterCallback(seed=seed, lisa_optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
         return peft_model, [callback]
 
     from peft import LoraConfig

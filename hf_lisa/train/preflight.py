@@ -333,12 +333,12 @@ def check_on_meta_model(model, lisa_args: LisaArguments, seed: int, label: str) 
             model, callbacks = apply_method(model, lisa_args, seed=seed)
             for callback in callbacks:
                 if isinstance(callback, LisaCallback):  # the scheduler LisaCallback builds at on_train_begin
-                    LayerwiseScheduler(model, callback.activated_layers, callback.interval_steps, callback.sampling,
-                                       callback.seed, callback.always_trainable, callback.optimizer_state_policy,
-                                       callback.layers_attribute)
+                    LayerwiseScheduler(model, callback.lisa_activated_layers, callback.lisa_interval_steps,
+                                       callback.lisa_sampling, callback.seed, callback.lisa_always_trainable,
+                                       callback.lisa_optimizer_state_policy, callback.lisa_layers_attribute)
                 elif isinstance(callback, LisaAdapterCallback) and gamma > 0:
                     # γ is drawn from the blocks that hold an adapter (--layers_to_transform may leave some out)
-                    adapted = LayerwiseScheduler.for_adapter(model, num_active=1).block_names
+                    adapted = LayerwiseScheduler.for_adapter(model, lisa_activated_layers=1).block_names
                     where = f"{label} ({index.num_blocks} blocks, {len(adapted)} with an adapter)"
                     check_gamma(len(adapted))
     except ValueError as err:

@@ -266,7 +266,7 @@ class _Run:
             plateau_grad_norm=lisa_args.monitor_plateau_grad_norm,
             plateau_steps=lisa_args.monitor_plateau_steps,
             num_block_groups=lisa_args.monitor_block_groups,
-            layers_attribute=lisa_args.lisa_layers_attribute,
+            lisa_layers_attribute=lisa_args.lisa_layers_attribute,
         )
         notes = start_notes(training_args, self.held_out, self.data_args.validation_split_percentage)
         notes += [self.packing.line()] if self.packing else []
@@ -277,7 +277,7 @@ class _Run:
         mixture = mixture_settings(self.raw) if lisa_args.stage != DPO else None
         callbacks += [mixture_record_callback(mixture)] if mixture else []  # in each checkpoint, checked on resume
         options = dict(  # LisaTrainer's own
-            layerwise_lr_decay=lisa_args.layerwise_lr_decay, layers_attribute=lisa_args.lisa_layers_attribute,
+            layerwise_lr_decay=lisa_args.layerwise_lr_decay, lisa_layers_attribute=lisa_args.lisa_layers_attribute,
             optim_step_in_backward=lisa_args.optim_step_in_backward, chunked_loss=lisa_args.chunked_loss,
             cpu_allocator=lisa_args.cpu_allocator, optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
         )

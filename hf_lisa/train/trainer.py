@@ -14,6 +14,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from ..optim.in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
+from ..renamed import RenamedAttribute, renamed_keywords
 from ..trainer_callbacks.progress import TrainingProgressGuard
 from ..trainer_callbacks.setup import prepare_trainer
 from ..trainer_callbacks.state import ScheduleCheckpoint
@@ -124,7 +125,8 @@ class LisaTrainer(Trainer):
 
     Args:
         layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
-        layers_attribute: dotted path of the block list, when auto-detection cannot find it.
+        lisa_layers_attribute: dotted path of the block list, when auto-detection cannot find it
+            (``layers_attribute`` before 0.3, until 0.4 with a ``FutureWarning``).
         optim_step_in_backward: step AdamW in the backward pass (one process, no gradient accumulation or clipping).
         optim_8bit_embeddings: with a bitsandbytes 8-bit ``optim``, keep the embeddings' state in 8 bits too (the
             Trainer keeps it in 32).
@@ -135,7 +137,10 @@ class LisaTrainer(Trainer):
             train nothing, at the start and after each evaluation; 0 turns it off. A guard in ``callbacks`` stands.
     """
 
-    def __init__(self, *args, layerwise_lr_decay: float = 1.0, layers_attribute: Optional[str] = None,
+    layers_attribute = RenamedAttribute("lisa_layers_attribute")
+
+    @renamed_keywords("layers_attribute")
+    def __init__(self, *args, layerwise_lr_decay: float = 1.0, lisa_layers_attribute: Optional[str] = None,
                  optim_step_in_backward: bool = False, chunked_loss: bool = True, cpu_allocator: str = "default",
                  optim_8bit_embeddings: bool = False, progress_check_steps: int = 3, **kwargs):
         callbacks = list(kwargs.pop("callbacks", None) or [])
@@ -153,7 +158,7 @@ class LisaTrainer(Trainer):
         if self.heap_trim is not None:
             self.heap_trim.attach(self.model)
         self.layerwise_lr_decay = layerwise_lr_decay
-        self.layers_attribute = layers_attribute
+        self.lisa_layers_attribute = lisa_layers_attribute
         self.optim_step_in_backward = optim_step_in_backward
         self.optim_8bit_embeddings = optim_8bit_embeddings
         if optim_step_in_backward and self.optimizer is not None and steps_in_backward(self.optimizer) is None:
@@ -201,7 +206,7 @@ class LisaTrainer(Trainer):
             weight_decay=self.args.weight_decay,
             no_decay_names=set(n for n, _ in opt_model.named_parameters())
             - set(self.get_decay_parameter_names(opt_model)),
-            layers_attribute=self.layers_attribute,
+            lisa_layers_attribute=self.lisa_layers_attribute,
         )
         if self.optimizer_cls_and_kwargs is not None:  # the step in backward's, the sliced 8-bit AdamW, or given
             optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs

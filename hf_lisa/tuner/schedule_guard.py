@@ -54,13 +54,13 @@ _FIX = (
 
 def settings_needing_schedule(
     *,
-    activated_layers: int,
+    lisa_activated_layers: int,
     num_blocks: Optional[int],
     sparse: bool,
     uncalibrated: bool,
     mask_update_interval: int,
     layer_interpolation: bool,
-    interval_steps: Optional[int] = None,
+    lisa_interval_steps: Optional[int] = None,
 ) -> list[str]:
     """The settings of one LISA adapter that take effect only through its schedule; ``[]`` when it would change nothing.
 
@@ -68,7 +68,7 @@ def settings_needing_schedule(
     the refusal to train without the callback both ask it.
 
     Args:
-        activated_layers: γ, blocks whose adapters train at a time (0: every block).
+        lisa_activated_layers: γ, blocks whose adapters train at a time (0: every block).
         num_blocks: N, the blocks that hold trainable adapter parameters (``None``: unknown, e.g. no block list found).
             γ >= N samples nothing: every block trains throughout.
         sparse: whether the adapter has sparse layers (``sparsity`` or ``sparsity_pattern`` > 0).
@@ -76,17 +76,18 @@ def settings_needing_schedule(
             "importance"`` on a fresh adapter, ``B = 0``).
         mask_update_interval: optimizer steps between mask re-selections (0: never).
         layer_interpolation: whether the adapter learns the per-block α/β.
-        interval_steps: K, only to name it in the text.
+        lisa_interval_steps: K, only to name it in the text.
 
     Returns:
         One entry per setting, ``"name=value (what the schedule does with it)"``.
     """
     reasons = []
-    if activated_layers >= 1 and (num_blocks is None or activated_layers < num_blocks):
+    if lisa_activated_layers >= 1 and (num_blocks is None or lisa_activated_layers < num_blocks):
         of = f" of the {num_blocks} blocks" if num_blocks is not None else ""
-        every = f"lisa_interval_steps={interval_steps}" if interval_steps is not None else "lisa_interval_steps"
+        every = "lisa_interval_steps" + ("" if lisa_interval_steps is None else f"={lisa_interval_steps}")
+        gamma = lisa_activated_layers
         reasons.append(
-            f"lisa_activated_layers={activated_layers} (the adapters of {activated_layers}{of} train at a time, "
+            f"lisa_activated_layers={gamma} (the adapters of {gamma}{of} train at a time, "
             f"re-drawn every {every} steps)"
         )
     if sparse and uncalibrated:
@@ -156,13 +157,13 @@ def schedule_requirements(tuner: nn.Module) -> Optional[dict[str, list[str]]]:
         sparse = [m for m in own if name in m.lisa_mask]
         gamma = config.lisa_activated_layers
         reasons = settings_needing_schedule(
-            activated_layers=gamma,
+            lisa_activated_layers=gamma,
             num_blocks=_trainable_blocks(tuner.model, config.lisa_layers_attribute) if gamma >= 1 else None,
             sparse=bool(sparse),
             uncalibrated=config.mask_init == "importance" and any(_is_zero(m.lisa_B[name].weight) for m in sparse),
             mask_update_interval=config.mask_update_interval,
             layer_interpolation=bool(interp),
-            interval_steps=config.lisa_interval_steps,
+            lisa_interval_steps=config.lisa_interval_steps,
         )
         if reasons:
             needs[name] = reasons

@@ -39,7 +39,7 @@ def test_full_parameter_lisa_trains_on_the_installed_peft(tiny_llama, token_data
 
     model = tiny_llama(num_layers=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    callback = LisaCallback(activated_layers=1, interval_steps=100, seed=0)
+    callback = LisaCallback(lisa_activated_layers=1, lisa_interval_steps=100, seed=0)
     Trainer(model=model, args=training_args(max_steps=2), train_dataset=token_dataset(), callbacks=[callback]).train()
     moved_blocks = {n.split(".")[2] for n, p in model.named_parameters()
                     if n.startswith("model.layers.") and not torch.equal(before[n], p)}

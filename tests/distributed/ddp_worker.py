@@ -45,7 +45,7 @@ def run_full(output_dir: str, per_device_batch: int = 2, max_steps: int = 8, com
     from hf_lisa.trainer_callbacks import LisaCallback
 
     model = tiny_llama()
-    callback = LisaCallback(activated_layers=GAMMA, interval_steps=INTERVAL, seed=SEED)
+    callback = LisaCallback(lisa_activated_layers=GAMMA, lisa_interval_steps=INTERVAL, seed=SEED)
     args = training_args(output_dir, per_device_batch, max_steps, **overrides)
     trainer = Trainer(model=model, args=args, train_dataset=PatternDataset(), callbacks=[callback])
     handler = configure_trainer_for_lisa(trainer, comm_hook=comm_hook, powersgd_rank=1, powersgd_start_iter=2)

@@ -90,7 +90,7 @@ def scheduler_for(model, form: str):
 
     if form == "adapter":
         return LayerwiseScheduler.for_adapter(model, seed=SEED)
-    return LayerwiseScheduler(model, num_active=GAMMA, interval_steps=K, seed=SEED)
+    return LayerwiseScheduler(model, lisa_activated_layers=GAMMA, lisa_interval_steps=K, seed=SEED)
 
 
 def reference(form: str) -> dict:

@@ -125,14 +125,14 @@ def layer_switching_refusals(stage: int) -> dict:
         model = tiny_llama()
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=ds_config(stage))
-        return LayerwiseScheduler(engine.module, num_active=1, interval_steps=2), optimizer
+        return LayerwiseScheduler(engine.module, lisa_activated_layers=1, lisa_interval_steps=2), optimizer
 
     def full_with_client_optimizer():
         # the user keeps the torch optimizer they handed to deepspeed.initialize and gives that to the scheduler
         model = tiny_llama()
         client = torch.optim.AdamW(model.parameters(), lr=1e-2)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=ds_config(stage, False))
-        return LayerwiseScheduler(engine.module, num_active=1, interval_steps=2), client
+        return LayerwiseScheduler(engine.module, lisa_activated_layers=1, lisa_interval_steps=2), client
 
     def adapter_with_gamma():
         model = get_peft_model(tiny_llama(), hf_lisa.LisaConfig(r=4, lisa_activated_layers=1, lisa_interval_steps=2))

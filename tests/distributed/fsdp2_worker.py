@@ -37,7 +37,7 @@ def build(mp_policy=None, fix: bool = True):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # over every candidate, before freezing
-    scheduler = LayerwiseScheduler(model, num_active=GAMMA, interval_steps=INTERVAL, seed=SEED)
+    scheduler = LayerwiseScheduler(model, lisa_activated_layers=GAMMA, lisa_interval_steps=INTERVAL, seed=SEED)
     return model, optimizer, scheduler
 
 
@@ -101,7 +101,7 @@ def fsdp1_scenarios() -> dict:
     model = FSDP(tiny_llama(), use_orig_params=True, auto_wrap_policy=policy, device_id=torch.device("cpu"))
     out["orig_params"] = check_layer_switching_supported(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = LayerwiseScheduler(model, num_active=GAMMA, interval_steps=INTERVAL, seed=SEED)
+    scheduler = LayerwiseScheduler(model, lisa_activated_layers=GAMMA, lisa_interval_steps=INTERVAL, seed=SEED)
     scheduler.freeze_all_but_active(optimizer)
 
     def full() -> dict:

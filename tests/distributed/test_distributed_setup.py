@@ -152,7 +152,7 @@ def test_an_optimizer_that_holds_none_of_the_schedule_parameters_is_refused():
 
     model = tiny_llama()
     copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]  # like ZeRO's flat partitions
-    scheduler = LayerwiseScheduler(model, num_active=1, interval_steps=2)
+    scheduler = LayerwiseScheduler(model, lisa_activated_layers=1, lisa_interval_steps=2)
     with pytest.raises(UnsupportedEngineError, match="holds none of them"):
         check_layer_switching_supported(model, torch.optim.AdamW(copies), params=scheduler.candidates)
 
@@ -194,7 +194,7 @@ def test_a_training_run_checks_its_engine_once(tmp_path):
 
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=4, save_strategy="no")
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=PatternDataset(),
-                      callbacks=[LisaCallback(activated_layers=1, interval_steps=2)])
+                      callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=2)])
     check = mock.Mock(wraps=check_layer_switching_supported)
     with mock.patch.object(hf_lisa.distributed, "check_layer_switching_supported", check):
         trainer.train()
