@@ -197,21 +197,22 @@ def _ladder(lr: float, up: bool) -> float:
 
 
 def plan(preset_name: str, results: dict[str, dict]) -> list[Run]:
-    """The runs that can start now: grids first, then the seeds and diagnostics of every decided method."""
+    """The runs that can start now, in the order they run: the diagnostics of every decided method, then its seeds,
+    then the grids still open. A decided method's comparisons (r=4 against r=128, its interval against LoRA's) can
+    then be answered while other grids are still running; the total is the same in any order."""
     preset = PRESETS[preset_name]
     methods = methods_for(preset.steps)
-    todo: list[Run] = []
+    grids: list[Run] = []
     best: dict[str, Optional[float]] = {}
     for m in methods.values():
         if m.parent is None:
             missing, best[m.name] = grid_state(m, preset_name, results)
-            todo += [Run(m.name, lr, 0, preset_name) for lr in missing]
-    for m in methods.values():
-        if m.parent is None and best[m.name] is not None:
-            todo += [Run(m.name, best[m.name], s, preset_name) for s in preset.seeds]
-        elif m.parent is not None and best.get(m.parent) is not None:
-            todo.append(Run(m.name, best[m.parent], 0, preset_name))
-    return [run for run in todo if run.key not in results]
+            grids += [Run(m.name, lr, 0, preset_name) for lr in missing]
+    diagnostics = [Run(m.name, best[m.parent], 0, preset_name) for m in methods.values()
+                   if m.parent is not None and best.get(m.parent) is not None]
+    seeds = [Run(m.name, best[m.name], s, preset_name) for m in methods.values()
+             if m.parent is None and best[m.name] is not None for s in preset.seeds]
+    return [run for run in diagnostics + seeds + grids if run.key not in results]
 
 
 def memory_runs(preset_name: str) -> list[Run]:

@@ -46,6 +46,11 @@ def test_the_grid_extends_until_the_best_rate_is_interior_then_the_seeds_run_at_
     # the LoRA diagnostics run once, at LoRA's rate; seed 0 (which chose the rate) is not among the reported seeds
     assert {study.Run(name, 1e-3, 0, "cpu").key for name in ("lora-r4", "lora-r128", "lora-qv-r128")} <= planned
     assert study.Run("lora", 1e-3, 0, "cpu").key not in planned
+    # a decided method's diagnostics, then its seeds, run before the grids still open (full's, here)
+    order = [(run.method, run.seed) for run in study.plan("cpu", results)]
+    first_grid = next(i for i, (name, _) in enumerate(order) if name == "full")
+    assert order[:3] == [("lora-r4", 0), ("lora-r128", 0), ("lora-qv-r128", 0)]
+    assert order[3:first_grid] == [("lora", s) for s in (1, 2, 3, 4)]
 
 
 def test_a_grid_whose_every_rate_failed_is_left_undecided_and_not_extended():
