@@ -73,7 +73,6 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     from hf_lisa.train import (
         DataArguments,
         LisaArguments,
-        LisaTrainer,
         ModelArguments,
         apply_method,
         generation_exact_match,
@@ -82,6 +81,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         resolve_model_path,
     )
     from hf_lisa.train import data as data_lib
+    from hf_lisa.trainer import LisaTrainer
 
     spec = METHODS[method]
     transformers.utils.logging.set_verbosity_error()

@@ -110,7 +110,8 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
     """One pass over the rows in ``mode``; the per-step times and token counts."""
     from transformers import PrinterCallback, TrainerCallback, set_seed
 
-    from hf_lisa.train import LisaTrainer, apply_method
+    from hf_lisa.train import apply_method
+    from hf_lisa.trainer import LisaTrainer
     from hf_lisa.train import data as data_lib
     from hf_lisa.train.packing import prepare_packing
 

@@ -156,7 +156,8 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments, set_seed
 
     from benchmarks.theory import parameter_inventory
-    from hf_lisa.train import LisaArguments, LisaTrainer, apply_method
+    from hf_lisa.train import LisaArguments, apply_method
+    from hf_lisa.trainer import LisaTrainer
 
     transformers.utils.logging.set_verbosity_error()
     if settings.threads > 0:

@@ -598,7 +598,7 @@ def test_the_demo_model_fails_before_its_weights_load(tmp_path, capsys, forbid_w
 # -- Ctrl-C and --debug ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("save", [True, False], ids=["with-checkpoints", "without-checkpoints"])
 def test_ctrl_c_stops_with_130_and_names_the_checkpoint_to_resume(paths, tmp_path, capsys, monkeypatch, save):
-    from hf_lisa.train.trainer import LisaTrainer
+    from hf_lisa.trainer.lisa_trainer import LisaTrainer
 
     original = LisaTrainer.training_step
 
@@ -623,7 +623,7 @@ def test_ctrl_c_stops_with_130_and_names_the_checkpoint_to_resume(paths, tmp_pat
 
 
 def test_sigterm_stops_with_143_and_names_the_checkpoint_to_resume(paths, tmp_path, capsys, monkeypatch):
-    from hf_lisa.train.trainer import LisaTrainer
+    from hf_lisa.trainer.lisa_trainer import LisaTrainer
 
     original = LisaTrainer.training_step
 
@@ -673,7 +673,7 @@ def test_ctrl_c_during_start_up_is_one_line_with_130(paths, tmp_path, capsys, mo
 def test_a_failure_while_training_exits_1_whatever_its_type(raised, paths, tmp_path, capsys, monkeypatch):
     """Exit 2 means the user's input; a crash while training (a ValueError from a library, a file another process
     removed) is a failure while running, exit 1."""
-    from hf_lisa.train.trainer import LisaTrainer
+    from hf_lisa.trainer.lisa_trainer import LisaTrainer
 
     def crash(self, *args, **kwargs):
         raise raised

@@ -44,8 +44,8 @@ WAITING_FOR = {
     "hf_lisa.train.data": "the data pipeline as a public sub-room (issue 34 item 2): load_raw_datasets, "
                           "tokenize_datasets, data_collator, use_chat_template, TokenizationReport",
     "hf_lisa.train.packing.": "prepare_packing with the public data pipeline",
-    "hf_lisa.train.": "the library face of issue 34 item 2 (LisaTrainer with typed LisaTrainingArguments, the "
-                      "method set-up of apply_method, model loading, generation exact match) out of the application",
+    "hf_lisa.train.": "the rest of the library face of issue 34 item 2 (typed LisaTrainingArguments, the method "
+                      "set-up of apply_method, model loading, generation exact match) out of the application",
 }
 
 #: benchmark -> the non-public names it still uses (each under a WAITING_FOR prefix). Any other use fails, and so does
@@ -53,7 +53,7 @@ WAITING_FOR = {
 STILL_USED = {
     "compare.py": {
         "hf_lisa.train.DataArguments", "hf_lisa.train.LisaArguments",
-        "hf_lisa.train.LisaTrainer", "hf_lisa.train.ModelArguments", "hf_lisa.train.apply_method",
+        "hf_lisa.train.ModelArguments", "hf_lisa.train.apply_method",
         "hf_lisa.train.data", "hf_lisa.train.data.TokenizationReport", "hf_lisa.train.data.data_collator",
         "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
         "hf_lisa.train.data.use_chat_template", "hf_lisa.train.generation_exact_match",
@@ -64,7 +64,6 @@ STILL_USED = {
         "hf_lisa.train.data.tokenize_datasets",
     },
     "packing.py": {
-        "hf_lisa.train.LisaTrainer",
         "hf_lisa.train.apply_method", "hf_lisa.train.data", "hf_lisa.train.data.data_collator",
         "hf_lisa.train.data.load_raw_datasets", "hf_lisa.train.data.tokenize_datasets",
         "hf_lisa.train.packing.prepare_packing", "hf_lisa.train.parse_args",
@@ -75,7 +74,7 @@ STILL_USED = {
         "hf_lisa.train.data.tokenize_datasets", "hf_lisa.train.load_model_and_tokenizer",
         "hf_lisa.train.resolve_model_path",
     },
-    "scaling.py": {"hf_lisa.train.LisaArguments", "hf_lisa.train.LisaTrainer", "hf_lisa.train.apply_method"},
+    "scaling.py": {"hf_lisa.train.LisaArguments", "hf_lisa.train.apply_method"},
 }
 
 

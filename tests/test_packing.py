@@ -161,7 +161,7 @@ def _loss_and_grads(trainer, model, batch, grads: bool):
 
 
 def _check_equal_to_unpacked(model, rows, max_len, tmp_path, pad_id, tol, grads=True):
-    from hf_lisa.train.trainer import LisaTrainer
+    from hf_lisa.trainer.lisa_trainer import LisaTrainer
     from conftest import build_training_args
 
     groups = pack_rows([len(r["input_ids"]) for r in rows], max_len, seed=0)

@@ -10,7 +10,7 @@ import inspect
 
 from transformers import Trainer
 
-from hf_lisa.train.trainer import PRIVATE_OVERRIDES, LisaTrainer
+from hf_lisa.trainer.lisa_trainer import PRIVATE_OVERRIDES, LisaTrainer
 
 
 def test_every_private_override_of_lisa_trainer_is_named_with_its_reason():

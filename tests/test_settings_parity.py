@@ -18,7 +18,7 @@ from hf_lisa.scheduler.param_groups import layerwise_lr_decay_param_groups
 from hf_lisa.train import main, parse_args
 from hf_lisa.train.arguments import lisa_config_kwargs
 from hf_lisa.train.methods import lisa_knobs
-from hf_lisa.train.trainer import LisaTrainer
+from hf_lisa.trainer.lisa_trainer import LisaTrainer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 
 trl = pytest.importorskip("trl", reason="TRL is the optional extra hf-lisa[trl]")

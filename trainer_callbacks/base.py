@@ -102,7 +102,7 @@ class _LisaCallbackBase(ScheduleCheckpoint, TrainerCallback):
                 "for LISA before train() (unused-parameter detection, the active-set all-reduce). Call "
                 "hf_lisa.trainer_callbacks.prepare_trainer(trainer) (or "
                 "hf_lisa.distributed.configure_trainer_for_lisa(trainer)) before trainer.train(), or use "
-                "hf_lisa.train.LisaTrainer."
+                "hf_lisa.trainer.LisaTrainer."
             )
         from transformers.integrations import get_reporting_integration_callbacks
 

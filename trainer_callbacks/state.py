@@ -6,7 +6,7 @@ version, step, γ, K, strategy, seed, counters, the active set), with each tenso
 (the sampler's generator state, the mask bookkeeping, importance accumulators) go to
 ``checkpoint-N/lisa_state.safetensors``, written atomically by the process that saves (rank 0 under DDP): by
 ``on_save``, after ``transformers.Trainer`` has written the checkpoint folder, or, under
-:class:`hf_lisa.train.LisaTrainer` (which renames a checkpoint into place only once complete), before that rename
+:class:`hf_lisa.trainer.LisaTrainer` (which renames a checkpoint into place only once complete), before that rename
 (:meth:`ScheduleCheckpoint.save_pending_state`). See :mod:`hf_lisa.scheduler.state` for the format;
 :func:`stored_schedule_settings` reads the settings a checkpoint's schedule was written with.
 

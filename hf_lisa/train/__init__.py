@@ -65,7 +65,7 @@ from .evaluation import compute_metrics, generation_exact_match, generation_rows
 from .methods import apply_method, load_model_and_tokenizer, resolve_model_path
 from .outputs import TRAINING_SUMMARY_NAME, save_final_model, trainable_summary
 from .run import main, run
-from .trainer import LisaTrainer
+from ..trainer import LisaTrainer
 
 __all__ = [
     "ADAPTER_METHODS",

@@ -1,4 +1,4 @@
-"""``hf-lisa train --stage dpo``: TRL's ``DPOTrainer`` with everything :class:`~hf_lisa.train.trainer.LisaTrainer`
+"""``hf-lisa train --stage dpo``: TRL's ``DPOTrainer`` with everything :class:`~hf_lisa.trainer.LisaTrainer`
 adds, its ``DPOConfig`` built from the run's ``TrainingArguments``, and the reference model each method needs.
 
 * **The trainer** (:class:`LisaDPOTrainer`): ``LisaTrainer``'s behaviour composed over ``DPOTrainer`` by inheritance
@@ -30,7 +30,7 @@ from ..errors import UsageError
 from ..methods import get_method
 from .output_dir import LisaTrainingArguments
 from .preference import apply_length_policy, hold_out_after_skipping
-from .trainer import LisaTrainer
+from ..trainer import LisaTrainer
 from .validation import LINE_COLUMN
 
 logger = logging.getLogger("hf_lisa.train")
@@ -40,7 +40,7 @@ TRL_REFERENCE_ADAPTER = "ref"
 
 
 class LisaDPOTrainer(LisaTrainer, DPOTrainer):
-    """TRL's ``DPOTrainer`` with ``LisaTrainer``'s additions (see :class:`~hf_lisa.train.trainer.LisaTrainer` for its
+    """TRL's ``DPOTrainer`` with ``LisaTrainer``'s additions (see :class:`~hf_lisa.trainer.LisaTrainer` for its
     keyword arguments), for a model that ``apply_method`` has already wrapped.
 
     * A ``PeftModel`` with a fresh adapter (``fresh_adapter=True``, the default: as ``apply_method`` builds it) gets the

@@ -7,7 +7,7 @@
   resumed run keeps the method and the schedule (γ, K, sampling, mask interval, importance window) of its checkpoint.
 * Nothing is written in place: checkpoints and the final model go to a staging folder whose name starts with
   :data:`STAGING_PREFIX` (hidden, never ``checkpoint-*``) and are renamed into place once complete
-  (:class:`~hf_lisa.train.trainer.LisaTrainer`, :func:`~hf_lisa.train.outputs.staged_final_model`). A staging folder
+  (:class:`~hf_lisa.trainer.LisaTrainer`, :func:`~hf_lisa.train.outputs.staged_final_model`). A staging folder
   that a kill left behind is removed by the next run in that ``--output_dir`` (:func:`clear_previous_run`).
 * What hf-lisa wrote is recorded in :data:`MANIFEST_NAME` (:func:`record_outputs`): the final model's files, summary,
   plot and card, each ``checkpoint-N`` (before it is written) and ``runs/``. ``--overwrite_output_dir`` removes or
@@ -37,12 +37,11 @@ from ..hub.summary import TRAINING_SUMMARY_NAME
 from ..methods import FULL, METHODS, method_of_adapter, schedules_anything
 from ..scheduler.state import LISA_STATE_FILE
 from ..trainer_callbacks.state import stored_schedule_settings
+from ..trainer.atomic import STAGING_PREFIX, fsync_tree
 from .run_lock import LOCK_NAME, OutputDirLock, check_not_in_use
 
 logger = logging.getLogger("hf_lisa.train")
 
-#: names of the folders a save writes before it is complete (hidden; ``get_last_checkpoint`` never matches them)
-STAGING_PREFIX = ".partial-"
 #: the files that make a folder a model: weights and their shard indexes (``training_args.bin`` is a pickle too)
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
                    "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
@@ -103,22 +102,6 @@ class LisaTrainingArguments(TrainingArguments):
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether the file name ``name`` matches one of the shell ``patterns``."""
     return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
-
-
-def fsync_tree(folder: str) -> None:
-    """Flush every file under ``folder``, then the folders themselves (not on Windows, which cannot open a folder),
-    so that a rename after it publishes data that survives a power loss, not only a killed process."""
-    for root, _, files in os.walk(folder, topdown=False):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.name == "nt":
-            continue
-        descriptor = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from .preference import DPO, DPO_EVAL_METRICS, SFT
 from .preflight import check_before_loading
 from .run_lock import OutputDirLock
 from .quantization import prepare_quantized_model
-from .trainer import LisaTrainer
+from ..trainer import LisaTrainer
 
 logger = logging.getLogger("hf_lisa.train")
 

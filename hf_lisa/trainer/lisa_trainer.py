@@ -26,7 +26,7 @@ from ..optim.memory import (
     sliced_8bit_optimizer,
     step_in_backward_optimizer,
 )
-from .output_dir import STAGING_PREFIX, fsync_tree
+from .atomic import STAGING_PREFIX, fsync_tree
 
 logger = logging.getLogger("hf_lisa.train")
 

@@ -1,0 +1,24 @@
+"""The library face: the Trainer classes hf-lisa adds to transformers, for users of the Trainer API.
+
+* :class:`LisaTrainer` (:mod:`.lisa_trainer`): ``transformers.Trainer`` with layer-wise learning-rate decay,
+  checkpoints that appear only once complete (:mod:`.atomic`), no Hub token in its saves, a progress guard, and the
+  LISA callbacks handed their Trainer (:func:`hf_lisa.trainer_callbacks.prepare_trainer`).
+
+The LISA schedule itself is the callbacks' (:mod:`hf_lisa.trainer_callbacks`): they work in any Trainer, this one
+included. ``hf-lisa train`` (:mod:`hf_lisa.train`, the application) runs on this class; ``hf_lisa.train.LisaTrainer``
+is the same class.
+
+Example:
+    ```py
+    >>> from hf_lisa.trainer import LisaTrainer
+    >>> from hf_lisa.trainer_callbacks import LisaCallback
+    >>> trainer = LisaTrainer(model=model, args=args, train_dataset=ds,
+    ...                       callbacks=[LisaCallback(lisa_activated_layers=2)])  # doctest: +SKIP
+    ```
+"""
+
+from __future__ import annotations
+
+from .lisa_trainer import PRIVATE_OVERRIDES, LisaTrainer
+
+__all__ = ["LisaTrainer", "PRIVATE_OVERRIDES"]
