@@ -65,7 +65,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     import peft
     import torch
     import transformers
-    from transformers import TrainingArguments, set_seed
+    from transformers import set_seed
 
     from benchmarks.naive_lisa import NaiveLisaCallback
     from benchmarks.peers import PEER_PACKAGES, package_version
@@ -132,6 +132,12 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         model, tokenizer = load_model_and_tokenizer(model_args, path)
         tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
         collator = data_lib.data_collator(tokenizer)
+    from hf_lisa.trainer import LisaTrainingArguments
+    from hf_lisa.trainer.training_args import TRAINER_OPTIONS
+
+    overrides = {**spec.lisa_overrides, **dict(preset.lisa_extra)}
+    trainer_settings = {name: overrides.pop(name) for name in list(overrides) if name in TRAINER_OPTIONS}
+    trainer_settings.update(chunked_loss=preset.chunked_loss, cpu_allocator=preset.cpu_allocator)
     lisa_args = LisaArguments(
         method=spec.train_method,
         lisa_activated_layers=preset.lisa_activated_layers,
@@ -140,7 +146,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         lisa_alpha=preset.lora_alpha,
         target_modules=["all-linear"],
         importance_steps=preset.importance_steps,
-        **{**spec.lisa_overrides, **dict(preset.lisa_extra)},
+        **overrides,
     )
     model, callbacks = apply_method(model, lisa_args, seed=preset.seed)
     lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
@@ -175,10 +181,10 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     if "bnb_8bit" in str(spec.training_overrides.get("optim", "")):
         from benchmarks.theory import adamw8bit_state_bytes
 
-        fp32 = set() if lisa_args.optim_8bit_embeddings else {
+        fp32 = set() if trainer_settings.get("optim_8bit_embeddings") else {
             id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
         state_bytes = functools.partial(adamw8bit_state_bytes, fp32=fp32)
-        state_formula = "bitsandbytes 8-bit AdamW" + ("" if lisa_args.optim_8bit_embeddings else
+        state_formula = "bitsandbytes 8-bit AdamW" + ("" if trainer_settings.get("optim_8bit_embeddings") else
                                                       ", E/H state at 32 bits")
     recorder = make_recorder(inventory, kind, model.config, schedule_reader(callbacks, inventory, peer),
                               withheld_reader(callbacks),
@@ -187,11 +193,11 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         from benchmarks.peers import peer_trainer_class
 
         base, state_formula = peer_trainer_class(), peer.state_formula
-        trainer_kwargs = {"optimizers": peer.optimizers}
+        trainer_kwargs = {"optimizers": peer.optimizers, "chunked_loss": preset.chunked_loss,
+                          "cpu_allocator": preset.cpu_allocator}  # the peers' Trainer takes these as keywords
     else:
         base = LisaTrainer
-        trainer_kwargs = {"optim_step_in_backward": lisa_args.optim_step_in_backward,
-                          "optim_8bit_embeddings": lisa_args.optim_8bit_embeddings}
+        trainer_kwargs = {}
 
     class MeasuredTrainer(base):
         """The method's Trainer (``hf-lisa train``'s; a plain ``transformers.Trainer`` for a peer), counting the
@@ -202,7 +208,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             with recorder.saved_tensors_probe(model, self.state.global_step):
                 return super().training_step(model, inputs, num_items_in_batch)
 
-    args = TrainingArguments(**{**dict(
+    args = LisaTrainingArguments(**{**dict(trainer_settings,
         output_dir=os.path.join(work_dir, method),
         max_steps=preset.steps,
         per_device_train_batch_size=preset.batch_size,
@@ -233,8 +239,6 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         processing_class=tokenizer,
         data_collator=collator,
         callbacks=[recorder] + callbacks + list(extra_callbacks),
-        chunked_loss=preset.chunked_loss,
-        cpu_allocator=preset.cpu_allocator,
         **trainer_kwargs,
     )
 
@@ -289,7 +293,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "optimizer": {"optim": ("badam.BlockOptimizer(torch.optim.AdamW)" if spec.peer == "badam"
                                     else str(getattr(args.optim, "value", args.optim))),
                           "max_grad_norm": args.max_grad_norm,
-                          "step_in_backward": lisa_args.optim_step_in_backward},
+                          "step_in_backward": bool(trainer_settings.get("optim_step_in_backward"))},
             "peer": ({"package": PEER_PACKAGES[spec.peer], "version": package_version(spec.peer),
                       "trainer": "transformers.Trainer", "settings": peer.settings} if peer else None),
             "cpu_allocator": {"policy": preset.cpu_allocator, "applied": allocator,

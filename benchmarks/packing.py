@@ -69,6 +69,7 @@ def _arguments(ns: argparse.Namespace, work_dir: str, packing: bool):
         "--per_device_train_batch_size", str(ns.batch_size), "--num_train_epochs", "1", "--learning_rate", "1e-4",
         "--lr_scheduler_type", "constant", "--logging_steps", "1000", "--save_strategy", "no", "--report_to", "none",
         "--disable_tqdm", "true", "--seed", str(ns.seed), "--packing", str(packing).lower(),
+        "--progress_check_steps", "0",
     ])
 
 
@@ -141,8 +142,7 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
 
     timer = StepTimes()
     trainer = LisaTrainer(model=model, args=training_args, train_dataset=tokenized["train"],
-                          processing_class=tokenizer, data_collator=counting, callbacks=callbacks + [timer],
-                          progress_check_steps=0)
+                          processing_class=tokenizer, data_collator=counting, callbacks=callbacks + [timer])
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     timed = slice(1, None) if len(timer.seconds) > 1 else slice(None)  # the first step warms up (and calibrates)

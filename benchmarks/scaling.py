@@ -153,11 +153,11 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     load_start = _load_average()
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments, set_seed
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
 
     from benchmarks.theory import parameter_inventory
     from hf_lisa.train import LisaArguments, apply_method
-    from hf_lisa.trainer import LisaTrainer
+    from hf_lisa.trainer import LisaTrainer, LisaTrainingArguments
 
     transformers.utils.logging.set_verbosity_error()
     if settings.threads > 0:
@@ -204,8 +204,8 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     rows = [torch.randint(0, config.vocab_size, (seq_len,), generator=generator)
             for _ in range(settings.steps * settings.batch_size)]
     lr = settings.lr_adapter if method == "lora" else settings.lr_full_parameter
-    args = TrainingArguments(
-        output_dir=os.path.join(work_dir, "trainer"), max_steps=settings.steps,
+    args = LisaTrainingArguments(
+        output_dir=os.path.join(work_dir, "trainer"), max_steps=settings.steps, chunked_loss=settings.chunked_loss,
         per_device_train_batch_size=settings.batch_size, learning_rate=lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
         logging_steps=1, eval_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
@@ -215,7 +215,6 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     trainer = MeasuredTrainer(
         model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
         data_collator=transformers.default_data_collator, callbacks=[recorder, Progress()] + callbacks,
-        chunked_loss=settings.chunked_loss,
     )
     trainer.train()
 

@@ -108,14 +108,24 @@ def config_reference(fmt: str = "markdown") -> str:
     def flags(text: str) -> str:  # `--lora_r` in markdown, as the option column spells options
         return re.sub(r"(--\w+)", r"`\1`", text) if fmt == "markdown" else text
 
+    from transformers import TrainingArguments
+
+    from .train.output_dir import RunTrainingArguments
+
+    theirs_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines, options = [], set()
-    for cls in ARGUMENT_CLASSES:
+    for cls in (*ARGUMENT_CLASSES, RunTrainingArguments):  # the last: hf-lisa's fields of its TrainingArguments
+        title = "LisaTrainingArguments" if cls is RunTrainingArguments else cls.__name__
+        doc = ("hf-lisa's additions to `TrainingArguments`: `LisaTrainer`'s settings (the fields of "
+               "`hf_lisa.trainer.LisaTrainingArguments`) and the output folder's." if cls is RunTrainingArguments
+               else (cls.__doc__ or "").strip())
         if fmt == "markdown":
-            doc = (cls.__doc__ or "").strip()
-            lines += [f"### `{cls.__name__}`", "", doc, "", "| option | default | description |", "|---|---|---|"]
+            lines += [f"### `{title}`", "", doc, "", "| option | default | description |", "|---|---|---|"]
         else:
-            lines += [f"{cls.__name__}: {(cls.__doc__ or '').strip()}"]
+            lines += [f"{title}: {doc}"]
         for f in dataclasses.fields(cls):
+            if cls is RunTrainingArguments and f.name in theirs_fields:
+                continue
             default = _field_default(f)
             help_text = f.metadata.get("help", "")
             if OPTION_METHODS.get(f.name, METHOD_NAMES) != METHOD_NAMES:

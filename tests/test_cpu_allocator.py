@@ -80,9 +80,9 @@ def test_left_alone_off_cpu_by_choice_or_when_the_user_configured_malloc(monkeyp
 
 
 def test_option_values():
-    *_, lisa_args, _ = parse_args(["--output_dir", "unused", "--report_to", "none", "--method", "lora",
-                                   "--cpu_allocator", "default"])
-    assert lisa_args.cpu_allocator == "default"
+    *_, training_args = parse_args(["--output_dir", "unused", "--report_to", "none", "--method", "lora",
+                                    "--cpu_allocator", "default"])
+    assert training_args.cpu_allocator == "default"
     with pytest.raises(ValueError, match=r"--cpu_allocator='tcmalloc' is invalid; allowed: default, trim, lean"):
         parse_args(["--output_dir", "unused", "--report_to", "none", "--cpu_allocator", "tcmalloc"])
 

@@ -17,6 +17,7 @@ from hf_lisa.train import METHOD_NAMES as METHODS, LisaArguments, parse_args
 from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, lisa_config_kwargs
 from hf_lisa.train.options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS
 from hf_lisa.train.options import OPTION_METHODS
+from hf_lisa.trainer.training_args import TRAINER_OPTIONS
 from hf_lisa.tuner.config import LAYER_SCHEDULE_DEFAULTS, lisa_config_fields
 
 #: a valid value, other than the default, of every option (as command-line tokens)
@@ -63,11 +64,12 @@ NON_DEFAULT: dict[str, list[str]] = {
     "optim_step_in_backward": ["true", "--max_grad_norm", "0"],  # with the clipping it cannot honour turned off
     "cpu_allocator": ["lean"],
     "chunked_loss": ["false"],
+    "progress_check_steps": ["0"],
     "optim_8bit_embeddings": ["true", "--optim", "adamw_bnb_8bit"],  # with the 8-bit optimizer it needs
     "stage": ["dpo"],
     "dpo_beta": ["0.5", "--stage", "dpo"],
 }
-OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"]
+OPTIONS = [f.name for f in dataclasses.fields(LisaArguments) if f.name != "method"] + list(TRAINER_OPTIONS)
 
 
 def _parse(tmp_path, *argv):
@@ -87,8 +89,9 @@ def test_method_option_matrix(tmp_path, method, option):
     if method in OPTION_METHODS[option] and option in LAYER_SCHEDULE_DEFAULTS:
         argv += ["--lisa_activated_layers", "1"]  # they take effect only when blocks are sampled
     if method in OPTION_METHODS[option]:
-        *_, lisa_args, _ = _parse(tmp_path, *argv)
-        assert lisa_args.method == method and getattr(lisa_args, option) != _default(option)
+        *_, lisa_args, training_args = _parse(tmp_path, *argv)
+        holder = training_args if option in TRAINER_OPTIONS else lisa_args  # LisaTrainer's: LisaTrainingArguments
+        assert lisa_args.method == method and getattr(holder, option) != _default(option)
     else:
         with pytest.raises(ValueError) as info:
             _parse(tmp_path, *argv)
@@ -201,6 +204,8 @@ def test_lisa_options_are_generated_from_lisa_config():
 
 
 def _default(option: str):
+    if option in TRAINER_OPTIONS:
+        return TRAINER_OPTIONS[option]
     f = next(f for f in dataclasses.fields(LisaArguments) if f.name == option)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 

@@ -150,6 +150,16 @@ def check_trl(ns: dict) -> None:
     assert lisa.layer_scheduler.lisa_activated_layers == 2
 
 
+def check_lisa_sft_trainer(ns: dict) -> None:
+    from hf_lisa.trainer.trl import LisaSFTTrainer
+
+    trainer = ns["trainer"]
+    assert isinstance(trainer, LisaSFTTrainer) and trainer.state.global_step == 2
+    assert trainer.layerwise_lr_decay == 0.9  # from the LisaSFTConfig field
+    rates = {group.get("initial_lr", group["lr"]) for group in trainer.optimizer.param_groups}  # before the schedule
+    assert len(rates) > 1, rates  # the decay groups: one rate per block
+
+
 def check_quantized_base(ns: dict) -> None:
     import bitsandbytes as bnb
 
@@ -225,6 +235,7 @@ SNIPPETS = {
     "docs/method.md: The PEFT tuner, next to LoRA [1]": Snippet(check=check_peft_quick_start),
     "docs/method.md: Quantized bases (QLoRA-style) [1]": Snippet(check=check_quantized_base, needs="bitsandbytes"),
     "docs/trl.md: With TRL [1]": Snippet(check=check_trl),
+    "docs/trl.md: With TRL [2]": Snippet(check=check_lisa_sft_trainer),
     "docs/hub.md: Share on the Hub [1]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
     "docs/hub.md: Share on the Hub [2]": Snippet(check=check_loads_published("me/smollm2-lisa-gsm8k")),
     "docs/hub.md: Two ways to push [1]": Snippet(provides=provide_push_inputs, server_check=check_pushes_on_the_server),

@@ -418,7 +418,8 @@ def test_a_dpo_run_that_trains_nothing_stops(files, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_lisa.errors import NothingTrainedError
-    from hf_lisa.train.dpo import LisaDPOTrainer, dpo_config
+    from hf_lisa.train.dpo import dpo_config
+    from hf_lisa.trainer.trl import LisaDPOTrainer
 
     class ZeroLoss(LisaDPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -430,7 +431,7 @@ def test_a_dpo_run_that_trains_nothing_stops(files, tmp_path):
     trainer = ZeroLoss(model=model, ref_model=AutoModelForCausalLM.from_pretrained(files["model"]),
                        args=dpo_config(training_args, beta=0.1, max_seq_length=32, num_proc=None),
                        train_dataset=datasets.Dataset.from_list(preference_rows(16)),
-                       processing_class=AutoTokenizer.from_pretrained(files["model"]), chunked_loss=False)
+                       processing_class=AutoTokenizer.from_pretrained(files["model"]))
     with pytest.raises(NothingTrainedError):
         trainer.train()
 
@@ -442,7 +443,8 @@ def test_a_fresh_adapters_reference_is_the_base_model_not_a_copy_of_the_adapter(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import hf_lisa
-    from hf_lisa.train.dpo import LisaDPOTrainer, dpo_config
+    from hf_lisa.train.dpo import dpo_config
+    from hf_lisa.trainer.trl import LisaDPOTrainer
 
     *_, training_args = _parse(tmp_path, "--use_cpu", "true", "--max_steps", "1", "--disable_tqdm", "true")
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]),
@@ -450,7 +452,7 @@ def test_a_fresh_adapters_reference_is_the_base_model_not_a_copy_of_the_adapter(
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     trainer = LisaDPOTrainer(model=model, args=dpo_config(training_args, beta=0.1, max_seq_length=32, num_proc=None),
                              train_dataset=datasets.Dataset.from_list(preference_rows(8)),
-                             processing_class=AutoTokenizer.from_pretrained(files["model"]), chunked_loss=False)
+                             processing_class=AutoTokenizer.from_pretrained(files["model"]))
     assert list(trainer.model.peft_config) == ["default"] and trainer.ref_model is None
     assert [n for n, p in trainer.model.named_parameters() if p.requires_grad] == names
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

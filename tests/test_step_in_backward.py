@@ -145,7 +145,7 @@ def test_refused_combinations_name_the_option_and_what_is_allowed(extra, match):
 
 def test_parses_and_reaches_the_trainer_when_compatible():
     *_, lisa_args, training_args = parse_args(_args("--max_grad_norm", "0", "--optim", "adamw_torch_fused"))
-    assert lisa_args.optim_step_in_backward is True and training_args.max_grad_norm == 0
+    assert training_args.optim_step_in_backward is True and training_args.max_grad_norm == 0
 
 
 @pytest.mark.parametrize(

@@ -131,10 +131,10 @@ def test_8bit_embeddings_need_an_8bit_optimizer(tmp_path, tiny_llama, token_data
     refusal = r"--optim_8bit_embeddings=True keeps .* --optim='adamw_torch(_fused)?' is not one\. Allowed with it: "
     with pytest.raises(UsageError, match=refusal + "--optim adamw_bnb_8bit"):
         parse_args(["--output_dir", str(tmp_path), "--method", "lisa", "--optim_8bit_embeddings", "true"])
-    *_, lisa_args, _ = parse_args(["--output_dir", str(tmp_path), "--method", "lisa", "--optim",
-                                          "adamw_bnb_8bit", "--optim_8bit_embeddings", "true",
-                                          "--optim_step_in_backward", "true", "--max_grad_norm", "0"])
-    assert lisa_args.optim_8bit_embeddings and lisa_args.optim_step_in_backward
+    *_, parsed = parse_args(["--output_dir", str(tmp_path), "--method", "lisa", "--optim", "adamw_bnb_8bit",
+                             "--optim_8bit_embeddings", "true", "--optim_step_in_backward", "true",
+                             "--max_grad_norm", "0"])
+    assert parsed.optim_8bit_embeddings and parsed.optim_step_in_backward
     trainer = LisaTrainer(model=tiny_llama(seed=0), args=training_args(max_steps=1), train_dataset=token_dataset(),
                           optim_8bit_embeddings=True)
     with pytest.raises(ValueError, match=r"optim_8bit_embeddings=True needs a bitsandbytes 8-bit optimizer; this "

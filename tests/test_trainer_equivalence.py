@@ -9,7 +9,7 @@ own trainer on the same loss:
 * ``SFTTrainer`` against ``LisaTrainer`` composed over ``SFTTrainer`` (as ``LisaDPOTrainer`` is over ``DPOTrainer``):
   TRL computes the SFT loss with its fused LM head, which agrees with the model's loss only to float rounding
   (~1e-6 after 6 steps here), so a plain ``LisaTrainer`` is not the reference for it (it is checked to be close);
-* ``DPOTrainer`` (``peft_config=LisaConfig``, as docs/trl.md shows) against ``hf_lisa.train.dpo.LisaDPOTrainer`` on
+* ``DPOTrainer`` (``peft_config=LisaConfig``, as docs/trl.md shows) against ``hf_lisa.trainer.trl.LisaDPOTrainer`` on
   a ``PeftModel`` built beforehand (as ``hf-lisa train --stage dpo`` does).
 
 ``LisaTrainer`` runs with ``chunked_loss=False`` throughout: its default chunked causal-LM loss is a different loss
@@ -98,12 +98,8 @@ class Foreign(Trainer):
 
 
 def lisa_sft_trainer_class():
-    """``LisaTrainer`` over TRL's ``SFTTrainer``, composed as ``hf_lisa.train.dpo.LisaDPOTrainer`` is over
-    ``DPOTrainer`` (hf-lisa has no SFT face for TRL yet: issue 34 item 2)."""
-    import trl
-
-    class LisaSFTTrainer(LisaTrainer, trl.SFTTrainer):
-        pass
+    """``LisaTrainer`` over TRL's ``SFTTrainer``: the library face's :class:`hf_lisa.trainer.trl.LisaSFTTrainer`."""
+    from hf_lisa.trainer.trl import LisaSFTTrainer
 
     return LisaSFTTrainer
 
@@ -312,7 +308,7 @@ def _trl_run(kind: str, ours: bool, form: str, make_model, tmp_path):
         if form == "full":
             ref_model = make_model(num_layers=NUM_BLOCKS, vocab=vocab)
         if ours:  # hf-lisa's way: the model wrapped before the trainer (apply_method), TRL's "ref" copy dropped
-            from hf_lisa.train.dpo import LisaDPOTrainer
+            from hf_lisa.trainer.trl import LisaDPOTrainer
 
             cls, model = LisaDPOTrainer, base if config is None else peft_model(base, config)
             kwargs = dict(model=model, ref_model=ref_model, **common)

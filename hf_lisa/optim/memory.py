@@ -57,38 +57,37 @@ _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 logger = logging.getLogger("hf_lisa.train")
 
 
-def memory_fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    """``(name, type, field)`` of the memory options, for ``dataclasses.make_dataclass`` (``LisaArguments``)."""
-    return [step_in_backward_field(), ("optim_8bit_embeddings", bool, field(default=False, metadata={
-        "help": "With a bitsandbytes 8-bit --optim (e.g. adamw_bnb_8bit): keep the AdamW state of the embedding (and "
-        "so of a tied LM head) in 8 bits too. transformers' Trainer keeps nn.Embedding weights in 32-bit state for "
-        "stability; for full-parameter LISA the tied embedding/head is most of what trains, so its state is most of "
-        "the optimizer's memory (SmolLM2-135M: 216 of 270 MiB at 32 bits)."})),
-        ("cpu_allocator", str, field(default="default", metadata={
-        "help": "CPU training with glibc (Linux): what happens to the memory each step frees. 'default' keeps "
-        "glibc's behaviour (freed fragments stay resident in the heap); 'trim' returns the heap's free pages to the "
-        "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
-        "forms (0.9x the peak RSS on SmolLM2-135M, at up to 1.17x the step time); 'lean' fixes malloc's mmap "
-        "threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the system when freed: 0.9x the peak "
-        "RSS at 1.3-1.5x the step time (each large tensor's pages are faulted in and zeroed anew). Nothing is "
-        "changed on GPU or with jemalloc/tcmalloc/mimalloc preloaded; 'lean' also leaves MALLOC_* variables as set."})),
-            ("chunked_loss", bool, field(default=True, metadata={
-                "help": "Compute a causal LM's loss a few hundred tokens at a time: no log-softmax over the whole "
-                "vocabulary is kept for the backward pass, and its gradient is written chunk by chunk, so the logits "
-                "and their gradient are the only vocabulary-sized tensors (each tokens x vocabulary x 4 bytes). The "
-                "same loss and gradients to float rounding. Models whose loss is not transformers' causal-LM loss "
-                "keep theirs."}))]
-
-
-def step_in_backward_field() -> tuple[str, Any, dataclasses.Field]:
-    """``(name, type, field)`` of ``--optim_step_in_backward``."""
-    return (OPTION, bool, field(default=False, metadata={
-        "help": "Update each parameter with AdamW as soon as its gradient is complete in the backward pass, and free "
-        "that gradient at once (PyTorch's 'optimizer step in backward'): the trainable set's gradients never all "
-        "live at once, and the step's temporaries are one parameter's. The same updates as --optim adamw_torch / "
-        "adamw_torch_fused / adamw_bnb_8bit without it (the 8-bit one a slice at a time on CPU). Needs "
-        "--max_grad_norm 0 (no global-norm clipping), gradient_accumulation_steps 1, one process, AdamW, no fp16; "
-        "not with --lisa_sampling importance."}))
+#: the help of ``LisaTrainer``'s settings (the fields of :class:`hf_lisa.trainer.LisaTrainingArguments`, options of
+#: ``hf-lisa train``)
+MEMORY_HELP = {
+    "layerwise_lr_decay": "Layer-wise LR decay d in (0, 1]: block l of N trains at lr * d^(N-1-l), embeddings at "
+    "lr * d^N, head and other parameters at lr. 1 disables.",
+    OPTION: "Update each parameter with AdamW as soon as its gradient is complete in the backward pass, and free "
+    "that gradient at once (PyTorch's 'optimizer step in backward'): the trainable set's gradients never all "
+    "live at once, and the step's temporaries are one parameter's. The same updates as --optim adamw_torch / "
+    "adamw_torch_fused / adamw_bnb_8bit without it (the 8-bit one a slice at a time on CPU). Needs "
+    "--max_grad_norm 0 (no global-norm clipping), gradient_accumulation_steps 1, one process, AdamW, no fp16; "
+    "not with --lisa_sampling importance.",
+    "optim_8bit_embeddings": "With a bitsandbytes 8-bit --optim (e.g. adamw_bnb_8bit): keep the AdamW state of the "
+    "embedding (and so of a tied LM head) in 8 bits too. transformers' Trainer keeps nn.Embedding weights in 32-bit "
+    "state for stability; for full-parameter LISA the tied embedding/head is most of what trains, so its state is "
+    "most of the optimizer's memory (SmolLM2-135M: 216 of 270 MiB at 32 bits).",
+    "cpu_allocator": "CPU training with glibc (Linux): what happens to the memory each step frees. 'default' keeps "
+    "glibc's behaviour (freed fragments stay resident in the heap); 'trim' returns the heap's free pages to the "
+    "system (malloc_trim) at the start of each backward pass and before the embedding's backward, where the peak "
+    "forms (0.9x the peak RSS on SmolLM2-135M, at up to 1.17x the step time); 'lean' fixes malloc's mmap "
+    "threshold at 128 KiB, so every tensor of 128 KiB or more goes back to the system when freed: 0.9x the peak "
+    "RSS at 1.3-1.5x the step time (each large tensor's pages are faulted in and zeroed anew). Nothing is "
+    "changed on GPU or with jemalloc/tcmalloc/mimalloc preloaded; 'lean' also leaves MALLOC_* variables as set.",
+    "chunked_loss": "Compute a causal LM's loss a few hundred tokens at a time: no log-softmax over the whole "
+    "vocabulary is kept for the backward pass, and its gradient is written chunk by chunk, so the logits "
+    "and their gradient are the only vocabulary-sized tensors (each tokens x vocabulary x 4 bytes). The "
+    "same loss and gradients to float rounding. Models whose loss is not transformers' causal-LM loss "
+    "keep theirs.",
+    "progress_check_steps": "Stop the run (exit status 1, NothingTrainedError) when this many optimizer steps at the "
+    "start, and after each evaluation, change no trainable parameter with a nonzero gradient (learning-rate warmup "
+    "steps at 0 do not count). 0 turns the check off.",
+}
 
 
 def _optim_name(training_args) -> str:
@@ -97,12 +96,10 @@ def _optim_name(training_args) -> str:
 
 
 def check_memory_options(lisa_args, training_args) -> None:
-    """Check ``--cpu_allocator`` and ``--optim_step_in_backward`` (:func:`check_step_in_backward`)."""
-    allocator = getattr(lisa_args, "cpu_allocator", "default")
-    if allocator not in CPU_ALLOCATORS:
-        raise UsageError(f"--cpu_allocator={allocator!r} is invalid; allowed: {', '.join(CPU_ALLOCATORS)}.")
+    """Check ``--optim_8bit_embeddings`` against ``--optim``, and ``--optim_step_in_backward``
+    (:func:`check_step_in_backward`); each value's own rule is checked where the arguments are built."""
     optim = _optim_name(training_args)
-    if getattr(lisa_args, "optim_8bit_embeddings", False) and not _is_bnb_8bit(optim):
+    if getattr(training_args, "optim_8bit_embeddings", False) and not _is_bnb_8bit(optim):
         raise UsageError(
             f"--optim_8bit_embeddings=True keeps the embedding's optimizer state in 8 bits, so it needs a bitsandbytes "
             f"8-bit optimizer; --optim={optim!r} is not one. Allowed with it: --optim adamw_bnb_8bit (or another "
@@ -217,7 +214,7 @@ def check_step_in_backward(lisa_args, training_args) -> None:
             DeepSpeed/FSDP (gradients are reduced across ranks after the local backward), or ``--lisa_sampling
             importance`` (it reads the gradients after the backward pass).
     """
-    if not getattr(lisa_args, OPTION, False):
+    if not getattr(training_args, OPTION, False):
         return
     check_in_backward_arguments(training_args, cli=True)  # the rules LisaTrainer and the callbacks run too
     flag = f"--{OPTION}"

@@ -39,7 +39,9 @@ The package, in the order a run uses it:
 * :mod:`.validation`, :mod:`.data`: training files checked line by line, then tokenised rows (prompt/completion,
   chat messages, plain text);
 * :mod:`.methods`: model loading and the ``--method`` wrapping;
-* :mod:`.trainer`: the ``Trainer`` class (layer-wise learning-rate decay, atomic checkpoints);
+* the ``Trainer``: the library face's :class:`hf_lisa.trainer.LisaTrainer` (layer-wise learning-rate decay, atomic
+  checkpoints), its settings parsed into :class:`~.output_dir.RunTrainingArguments`, a
+  :class:`hf_lisa.trainer.LisaTrainingArguments`;
 * :mod:`.preference`, :mod:`.dpo`: ``--stage dpo``, preference rows through TRL's ``DPOTrainer`` with the same
   guarantees;
 * :mod:`.evaluation`: token metrics and generation exact match;

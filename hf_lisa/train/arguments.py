@@ -24,7 +24,7 @@ from .bounds import attach_negative_values, check_bounds, check_deepspeed_file
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from .data_arguments import DataArguments, check_data_arguments
 from .preference import check_stage_options
-from ..optim.memory import check_memory_options, memory_fields
+from ..optim.memory import check_memory_options
 from .options import (_NOT_OPTIONS, LISA_CONFIG_OPTIONS, HelpFormatter, check_method_options, group_help,
                       resolve_method_defaults, uses)
 from .quantization import check_quantization, quantization_fields
@@ -118,13 +118,6 @@ class _MethodArguments:
     lisa_optimizer_state_policy: str = field(
         default="drop",
         metadata={"help": "'drop' frees the optimizer state of deactivated blocks at a switch; 'keep' keeps it."},
-    )
-    layerwise_lr_decay: float = field(
-        default=1.0,
-        metadata={
-            "help": "Layer-wise LR decay d in (0, 1]: block l of N trains at lr * d^(N-1-l), embeddings at "
-            "lr * d^N, head and other parameters at lr. 1 disables."
-        },
     )
     monitor_plateau_grad_norm: float = field(
         default=1e-5,
@@ -236,7 +229,7 @@ def _option(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
 
 LisaArguments = dataclasses.make_dataclass(
     "LisaArguments",
-    [_option(f) for f in lisa_config_fields() if f.name in LISA_CONFIG_OPTIONS] + memory_fields(),
+    [_option(f) for f in lisa_config_fields() if f.name in LISA_CONFIG_OPTIONS],
     bases=(_MethodArguments,),
     namespace={
         "__module__": __name__,
@@ -265,9 +258,9 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, LisaArguments)
 # Parsing: a YAML/JSON file's values become the parser's defaults, so the command line wins
 # ----------------------------------------------------------------------------------------------------------------------
 def _argument_classes():
-    from .output_dir import LisaTrainingArguments  # transformers' TrainingArguments and --overwrite_output_dir
+    from .output_dir import RunTrainingArguments  # TrainingArguments, LisaTrainer's settings, --overwrite_output_dir
 
-    return (*ARGUMENT_CLASSES, LisaTrainingArguments)
+    return (*ARGUMENT_CLASSES, RunTrainingArguments)
 
 
 def _known_fields() -> set[str]:
@@ -433,17 +426,13 @@ def validate_args(model_args, data_args, lisa_args, training_args, typed: Option
         f"--learning_rate={learning_rate!r} is invalid; allowed: a number > 0, e.g. 2e-4.",
     )
     need(
-        0.0 < lisa_args.layerwise_lr_decay <= 1.0,
-        f"--layerwise_lr_decay={lisa_args.layerwise_lr_decay!r} is invalid; allowed: a float in (0, 1] (1 disables).",
-    )
-    need(
         lisa_args.push_mode in (None, *PUSH_MODES),
         f"--push_mode={lisa_args.push_mode!r} is invalid; allowed: {', '.join(PUSH_MODES)}.",
     )
     resolve_method_defaults(lisa_args, typed)
-    check_method_options(lisa_args, typed)
+    check_method_options(lisa_args, typed, training_args)
     check_quantization(model_args, lisa_args)  # --load_in_4bit / --load_in_8bit: adapter methods only
-    check_memory_options(lisa_args, training_args)  # --cpu_allocator, --optim_step_in_backward and what it refuses
+    check_memory_options(lisa_args, training_args)  # --optim_8bit_embeddings, --optim_step_in_backward and what they refuse
     settings = {**lisa_config_kwargs(lisa_args), "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy}
     used = {name: value for name, value in settings.items() if uses(method, name)}
     check_lisa_settings(used, where=f"--method {method} --", allow_every_block=not METHODS[method].samples_base_blocks)

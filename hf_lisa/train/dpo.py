@@ -24,71 +24,36 @@ import logging
 from typing import Optional
 
 from torch import nn
-from trl import DPOConfig, DPOTrainer
 
 from ..errors import UsageError
 from ..methods import get_method
-from .output_dir import LisaTrainingArguments
+from ..trainer.trl import LisaDPOConfig, LisaDPOTrainer
+from .output_dir import RunTrainingArguments
 from .preference import apply_length_policy, hold_out_after_skipping
-from ..trainer import LisaTrainer
 from .validation import LINE_COLUMN
 
 logger = logging.getLogger("hf_lisa.train")
-
-#: the adapter TRL 1.16 copies a given ``PeftModel``'s adapter into, as the reference of a re-trained adapter
-TRL_REFERENCE_ADAPTER = "ref"
-
-
-class LisaDPOTrainer(LisaTrainer, DPOTrainer):
-    """TRL's ``DPOTrainer`` with ``LisaTrainer``'s additions (see :class:`~hf_lisa.trainer.LisaTrainer` for its
-    keyword arguments), for a model that ``apply_method`` has already wrapped.
-
-    * A ``PeftModel`` with a fresh adapter (``fresh_adapter=True``, the default: as ``apply_method`` builds it) gets the
-      base model as reference (the adapters disabled), as ``DPOTrainer(..., peft_config=...)`` gives: TRL 1.16 copies a
-      given ``PeftModel``'s adapter into a frozen ``"ref"`` adapter, meant for re-training a trained one; a fresh
-      adapter starts as the identity (``B = 0``), so the copy computes the base model's function at the cost of a
-      second adapter, and is dropped. Pass ``fresh_adapter=False`` for a trained adapter: TRL's copy stays its
-      reference.
-    * The trainable parameters keep the dtype ``apply_method`` gave them: TRL casts a quantized model's trainable
-      parameters to bf16 (its QLoRA recipe), which the SFT path does not do.
-    * No model card at each checkpoint: hf-lisa writes its own with the final model (:mod:`hf_lisa.hub.card`), and
-      TRL's would land in ``output_dir`` outside the run's manifest.
-    """
-
-    def __init__(self, model: nn.Module, ref_model: Optional[nn.Module] = None, *args, fresh_adapter: bool = True,
-                 **kwargs):
-        adapters = getattr(model, "peft_config", None)
-        fresh_adapter = fresh_adapter and adapters is not None and TRL_REFERENCE_ADAPTER not in adapters
-        dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-        super().__init__(model, ref_model, *args, **kwargs)
-        if fresh_adapter and TRL_REFERENCE_ADAPTER in self.model.peft_config:
-            self.model.delete_adapter(TRL_REFERENCE_ADAPTER)
-        for name, param in self.model.named_parameters():
-            if name in dtypes and param.dtype != dtypes[name]:
-                param.data = param.data.to(dtypes[name])
-
-    def create_model_card(self, *args, **kwargs) -> None:
-        return None
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # DPOConfig from the parsed TrainingArguments
 # ----------------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class LisaDPOConfig(DPOConfig, LisaTrainingArguments):
-    """TRL's ``DPOConfig`` with the fields ``hf-lisa train`` adds to ``TrainingArguments`` (``--keep_checkpoints``,
-    ...), so that the arguments of a ``--stage dpo`` run are one object, as for SFT."""
+class RunDPOConfig(LisaDPOConfig, RunTrainingArguments):
+    """The library's :class:`~hf_lisa.trainer.trl.LisaDPOConfig` with the fields ``hf-lisa train`` adds
+    (``--keep_checkpoints``, ...), so that the arguments of a ``--stage dpo`` run are one object, as for SFT."""
 
 
 #: DPOConfig settings the run sets itself: ``{field: (value, why)}``
 DPO_SETTINGS = {
+    "chunked_loss": (False, "TRL's fused LM head already computes the log-probabilities a tile of positions at a "
+                            "time"),
     "prediction_loss_only": (True, "the DPO metrics come from the loss computation; logits would cost a second "
                                    "forward pass per evaluation batch, and no metric reads them"),
 }
 
 
-def dpo_config(training_args, *, beta: float, max_seq_length: int, num_proc: Optional[int]) -> LisaDPOConfig:
-    """A :class:`LisaDPOConfig` holding every field of ``training_args`` as it is, with ``beta``,
+def dpo_config(training_args, *, beta: float, max_seq_length: int, num_proc: Optional[int]) -> RunDPOConfig:
+    """A :class:`RunDPOConfig` holding every field of ``training_args`` as it is, with ``beta``,
     ``max_length=max_seq_length``, ``dataset_num_proc=num_proc`` and :data:`DPO_SETTINGS`.
 
     Raises:
@@ -96,13 +61,13 @@ def dpo_config(training_args, *, beta: float, max_seq_length: int, num_proc: Opt
             keep (nothing is dropped silently).
     """
     names = [f.name for f in dataclasses.fields(training_args) if f.init]
-    own = {f.name for f in dataclasses.fields(LisaDPOConfig)}
+    own = {f.name for f in dataclasses.fields(RunDPOConfig)}
     missing = [name for name in names if name not in own]
     if missing:
         raise UsageError(f"--stage dpo cannot carry {', '.join('--' + n for n in missing)} over into TRL's "
                          f"DPOConfig ({type(training_args).__name__} has fields it lacks).")
     settings = {name: value for name, (value, _) in DPO_SETTINGS.items()}
-    config = LisaDPOConfig(**{name: getattr(training_args, name) for name in names if name not in settings},
+    config = RunDPOConfig(**{name: getattr(training_args, name) for name in names if name not in settings},
                            **settings, beta=beta, max_length=max_seq_length, dataset_num_proc=num_proc)
     lost = [f"--{name}={getattr(training_args, name)!r} (DPOConfig: {getattr(config, name)!r})" for name in names
             if name not in settings and getattr(config, name) != getattr(training_args, name)]
@@ -156,7 +121,7 @@ def dpo_trainer(model, ref_model, training_args, data_args, lisa_args, rows, tok
             # TRL cannot prepare an empty dataset: one training pair stands in until the held-out pairs are drawn
             eval_dataset=rows["train"].select(range(1)) if emptied else validation,
             processing_class=tokenizer, callbacks=callbacks,
-            **{**trainer_kwargs, "chunked_loss": False},  # TRL's fused LM head already works a tile at a time
+            **trainer_kwargs,
         )
     trainer.train_dataset = apply_length_policy(
         trainer.train_dataset, rows["train"][LINE_COLUMN], rows["train"], "train", data_args.max_seq_length,

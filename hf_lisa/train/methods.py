@@ -80,7 +80,6 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
         **lisa_config_kwargs(lisa_args),
         "lisa_always_trainable": _always_trainable(lisa_args),
         "lisa_optimizer_state_policy": lisa_args.lisa_optimizer_state_policy,
-        "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
     }
     return {name: value for name, value in settings.items() if uses(lisa_args.method, name)}
 

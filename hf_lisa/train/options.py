@@ -62,7 +62,7 @@ OPTION_METHODS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
         ("layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
          "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "push_mode", "cpu_allocator",
-         "optim_8bit_embeddings", "chunked_loss", "stage", "dpo_beta"),
+         "optim_8bit_embeddings", "chunked_loss", "progress_check_steps", "stage", "dpo_beta"),
         method_names(_every),
     ),
     # AdamW stepped in the backward pass: the methods that train base weights (hf_lisa.optim.memory)
@@ -107,11 +107,18 @@ def given_options(lisa_args, typed: Optional[Collection[str]] = None) -> dict[st
     return given
 
 
-def check_method_options(lisa_args, typed: Optional[Collection[str]] = None) -> None:
-    """Refuse the given options (:func:`given_options`) that ``lisa_args.method`` does not use, naming them, the method
-    and what it uses."""
+def check_method_options(lisa_args, typed: Optional[Collection[str]] = None, training_args=None) -> None:
+    """Refuse the given options (:func:`given_options`, and ``LisaTrainer``'s settings in ``training_args``) that
+    ``lisa_args.method`` does not use, naming them, the method and what it uses."""
     method = lisa_args.method
-    refused = {name: value for name, value in given_options(lisa_args, typed).items() if not uses(method, name)}
+    given = given_options(lisa_args, typed)
+    if training_args is not None:  # LisaTrainer's settings, fields of the run's LisaTrainingArguments
+        from ..trainer.training_args import TRAINER_OPTIONS
+
+        given.update({name: getattr(training_args, name) for name, default in TRAINER_OPTIONS.items()
+                      if name in OPTION_METHODS and (name in typed if typed is not None
+                                                     else getattr(training_args, name) != default)})
+    refused = {name: value for name, value in given.items() if not uses(method, name)}
     if not refused:
         return
     every = method_names(_every)
@@ -159,7 +166,7 @@ OPTION_GROUPS: dict[str, str] = {
     **dict.fromkeys((
         "layerwise_lr_decay", "monitor_plateau_grad_norm", "monitor_plateau_steps", "monitor_block_groups",
         "ddp_comm_hook", "powersgd_rank", "powersgd_start_iter", "optim_step_in_backward", "optim_8bit_embeddings",
-        "cpu_allocator", "chunked_loss"), "training"),
+        "cpu_allocator", "chunked_loss", "progress_check_steps"), "training"),
     **dict.fromkeys((
         "output_dir", "overwrite_output_dir", "delete_foreign_files", "keep_checkpoints", "enable_jit_checkpoint",
         "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "resume_from_checkpoint",

@@ -28,7 +28,6 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Optional
 
-from transformers import TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -37,6 +36,7 @@ from ..hub.summary import TRAINING_SUMMARY_NAME
 from ..methods import FULL, METHODS, method_of_adapter, schedules_anything
 from ..scheduler.state import LISA_STATE_FILE
 from ..trainer_callbacks.state import stored_schedule_settings
+from ..trainer import LisaTrainingArguments
 from ..trainer.atomic import STAGING_PREFIX, fsync_tree
 from .run_lock import LOCK_NAME, OutputDirLock, check_not_in_use
 
@@ -68,9 +68,14 @@ _SCHEDULE_CALLBACKS = {"blocks": "LisaCallback", "adapter": "LisaAdapterCallback
 
 
 @dataclass
-class LisaTrainingArguments(TrainingArguments):
-    """transformers' ``TrainingArguments`` with ``--overwrite_output_dir`` (which transformers 5 dropped),
-    ``--delete_foreign_files`` and ``--keep_checkpoints``."""
+class RunTrainingArguments(LisaTrainingArguments):
+    """The library's :class:`~hf_lisa.trainer.LisaTrainingArguments` (transformers' ``TrainingArguments`` and
+    ``LisaTrainer``'s settings) with what the command adds: ``--overwrite_output_dir`` (which transformers 5 dropped),
+    ``--delete_foreign_files`` and ``--keep_checkpoints``. A bad ``LisaTrainer`` setting is a usage error naming its
+    option."""
+
+    _option_prefix = "--"
+    _option_error = UsageError
 
     overwrite_output_dir: bool = field(
         default=False,

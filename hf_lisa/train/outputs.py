@@ -400,7 +400,7 @@ def build_training_summary(model_args, data_args, lisa_args, training_args, *, b
             "optim": training_args.optim,
             "bf16": training_args.bf16,
             "gradient_checkpointing": bool(training_args.gradient_checkpointing),
-            "layerwise_lr_decay": lisa_args.layerwise_lr_decay,
+            "layerwise_lr_decay": training_args.layerwise_lr_decay,
             "seed": training_args.seed,
             # --stage dpo: the objective and its beta (an SFT summary leaves both out)
             **({"stage": lisa_args.stage, "dpo_beta": lisa_args.dpo_beta} if lisa_args.stage != "sft" else {}),

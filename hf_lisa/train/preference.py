@@ -118,7 +118,7 @@ def check_stage_options(data_args, lisa_args, training_args=None, typed=None) ->
     if getattr(training_args, "label_smoothing_factor", 0.0):
         refused.append(f"--label_smoothing_factor={training_args.label_smoothing_factor!r} (the Trainer's label "
                        "smoother is not part of the DPO loss)")
-    if not lisa_args.chunked_loss:
+    if training_args is not None and not training_args.chunked_loss:
         refused.append("--chunked_loss=False (TRL's DPOTrainer computes the log-probabilities through its fused LM "
                        "head, a tile of positions at a time: the vocabulary-sized logits are never built)")
     if refused:

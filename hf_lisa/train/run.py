@@ -118,7 +118,7 @@ def _check_and_prepare(model_args, lisa_args, training_args, data_args=None, loc
 
     if not torch.cuda.is_available():
         training_args.dataloader_pin_memory = False  # pinning is meaningless without a GPU and only warns
-    allocator = apply_cpu_allocator(lisa_args.cpu_allocator, on_cpu=training_args.device.type == "cpu")
+    allocator = apply_cpu_allocator(training_args.cpu_allocator, on_cpu=training_args.device.type == "cpu")
     if allocator:
         logger.info(allocator)
     set_seed(training_args.seed)
@@ -276,11 +276,9 @@ class _Run:
                                             _manifest_callback()]  # checkpoints listed in output_dir's manifest
         mixture = mixture_settings(self.raw) if lisa_args.stage != DPO else None
         callbacks += [mixture_record_callback(mixture)] if mixture else []  # in each checkpoint, checked on resume
-        options = dict(  # LisaTrainer's own
-            layerwise_lr_decay=lisa_args.layerwise_lr_decay, lisa_layers_attribute=lisa_args.lisa_layers_attribute,
-            optim_step_in_backward=lisa_args.optim_step_in_backward, chunked_loss=lisa_args.chunked_loss,
-            cpu_allocator=lisa_args.cpu_allocator, optim_8bit_embeddings=lisa_args.optim_8bit_embeddings,
-        )
+        # LisaTrainer's settings are fields of training_args (a hf_lisa.trainer.LisaTrainingArguments); the block
+        # path of its learning-rate decay groups is the schedule's
+        options = dict(lisa_layers_attribute=lisa_args.lisa_layers_attribute)
         if lisa_args.stage == DPO:  # TRL's DPOTrainer with LisaTrainer's behaviour composed in (hf_lisa.train.dpo)
             from .dpo import dpo_trainer
 

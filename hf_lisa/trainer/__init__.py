@@ -2,7 +2,11 @@
 
 * :class:`LisaTrainer` (:mod:`.lisa_trainer`): ``transformers.Trainer`` with layer-wise learning-rate decay,
   checkpoints that appear only once complete (:mod:`.atomic`), no Hub token in its saves, a progress guard, and the
-  LISA callbacks handed their Trainer (:func:`hf_lisa.trainer_callbacks.prepare_trainer`).
+  LISA callbacks handed their Trainer (:func:`hf_lisa.trainer_callbacks.prepare_trainer`);
+* :class:`LisaTrainingArguments` (:mod:`.training_args`): its settings as typed ``TrainingArguments`` fields, checked
+  once in ``__post_init__``;
+* :mod:`.trl`: the same over TRL's ``SFTTrainer`` and ``DPOTrainer`` (``LisaSFTTrainer`` / ``LisaSFTConfig``,
+  ``LisaDPOTrainer`` / ``LisaDPOConfig``); imported on its own, since it imports TRL.
 
 The LISA schedule itself is the callbacks' (:mod:`hf_lisa.trainer_callbacks`): they work in any Trainer, this one
 included. ``hf-lisa train`` (:mod:`hf_lisa.train`, the application) runs on this class; ``hf_lisa.train.LisaTrainer``
@@ -10,8 +14,9 @@ is the same class.
 
 Example:
     ```py
-    >>> from hf_lisa.trainer import LisaTrainer
+    >>> from hf_lisa.trainer import LisaTrainer, LisaTrainingArguments
     >>> from hf_lisa.trainer_callbacks import LisaCallback
+    >>> args = LisaTrainingArguments("out", layerwise_lr_decay=0.9, report_to="none")
     >>> trainer = LisaTrainer(model=model, args=args, train_dataset=ds,
     ...                       callbacks=[LisaCallback(lisa_activated_layers=2)])  # doctest: +SKIP
     ```
@@ -20,5 +25,6 @@ Example:
 from __future__ import annotations
 
 from .lisa_trainer import PRIVATE_OVERRIDES, LisaTrainer
+from .training_args import LisaTrainingArguments
 
-__all__ = ["LisaTrainer", "PRIVATE_OVERRIDES"]
+__all__ = ["LisaTrainer", "LisaTrainingArguments", "PRIVATE_OVERRIDES"]

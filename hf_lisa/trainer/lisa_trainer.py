@@ -6,15 +6,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 from dataclasses import fields
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from ..optim.in_backward import StepsInBackward, check_in_backward_arguments, steps_in_backward
-from ..renamed import RenamedAttribute, renamed_keywords
+from ..renamed import REMOVED_IN, RenamedAttribute, renamed_keywords
 from ..trainer_callbacks.progress import TrainingProgressGuard
 from ..trainer_callbacks.setup import prepare_trainer
 from ..trainer_callbacks.state import ScheduleCheckpoint
@@ -27,6 +28,7 @@ from ..optim.memory import (
     step_in_backward_optimizer,
 )
 from .atomic import STAGING_PREFIX, fsync_tree
+from .training_args import TRAINER_OPTIONS, LisaTrainingArguments, check_trainer_options
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -90,6 +92,26 @@ class _WholeRunLoss(TrainerCallback):
         return (total + session_total) / max(steps + session, 1)
 
 
+def _trainer_options(args: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """``LisaTrainer``'s settings: the fields of a :class:`LisaTrainingArguments` ``args``, else the defaults, with
+    the deprecated keywords ``given`` (checked, with a ``FutureWarning``; refused beside a ``LisaTrainingArguments``)."""
+    if given and isinstance(args, LisaTrainingArguments):
+        raise TypeError(
+            f"LisaTrainer got {', '.join(f'{k}={v!r}' for k, v in given.items())} as keyword(s) and args="
+            f"{type(args).__name__}, which holds these settings: set them there only (one place per setting)."
+        )
+    if given:
+        check_trainer_options(given, prefix="LisaTrainer: ")
+        warnings.warn(
+            f"LisaTrainer({', '.join(f'{k}=...' for k in given)}): settings as keywords are deprecated; pass them as "
+            f"fields of hf_lisa.trainer.LisaTrainingArguments (the keywords work until hf-lisa {REMOVED_IN}).",
+            FutureWarning, stacklevel=3,
+        )
+    base = ({name: getattr(args, name) for name in TRAINER_OPTIONS} if isinstance(args, LisaTrainingArguments)
+            else dict(TRAINER_OPTIONS))
+    return {**base, **given}
+
+
 class LisaTrainer(Trainer):
     """``transformers.Trainer`` with optional layer-wise learning-rate decay (see [`hf_lisa.scheduler.param_groups`]),
     and safe saving:
@@ -123,33 +145,31 @@ class LisaTrainer(Trainer):
     to the system at the two points of each CPU backward pass where the peak forms (``"lean"`` applies
     [`~hf_lisa.optim.memory.apply_cpu_allocator`]).
 
+    Its settings are the fields of :class:`~hf_lisa.trainer.LisaTrainingArguments` (``layerwise_lr_decay``,
+    ``optim_step_in_backward``, ``optim_8bit_embeddings``, ``chunked_loss``, ``cpu_allocator``,
+    ``progress_check_steps``: the :class:`~hf_lisa.trainer_callbacks.progress.TrainingProgressGuard` it runs; a guard
+    in ``callbacks`` stands); with a plain ``TrainingArguments`` they keep their defaults. As keywords of this class
+    they work until 0.4, with a ``FutureWarning``, and not beside a ``LisaTrainingArguments`` (one place per setting).
+
     Args:
-        layerwise_lr_decay: LR multiplier per block below the top (1.0 = off).
-        lisa_layers_attribute: dotted path of the block list, when auto-detection cannot find it
-            (``layers_attribute`` before 0.3, until 0.4 with a ``FutureWarning``).
-        optim_step_in_backward: step AdamW in the backward pass (one process, no gradient accumulation or clipping).
-        optim_8bit_embeddings: with a bitsandbytes 8-bit ``optim``, keep the embeddings' state in 8 bits too (the
-            Trainer keeps it in 32).
-        chunked_loss: compute the causal-LM loss chunk by chunk (the model's ``loss_function`` is replaced).
-        cpu_allocator: ``"default"``, ``"trim"`` or ``"lean"``; only on CPU with glibc.
-        progress_check_steps: the :class:`~hf_lisa.trainer_callbacks.progress.TrainingProgressGuard` it runs: stop
-            with ``NothingTrainedError`` when this many optimizer steps (learning rate above 0, updates not withheld)
-            train nothing, at the start and after each evaluation; 0 turns it off. A guard in ``callbacks`` stands.
+        lisa_layers_attribute: dotted path of the block list for the learning-rate decay groups, when
+            auto-detection cannot find it (``layers_attribute`` before 0.3, until 0.4 with a ``FutureWarning``).
     """
 
     layers_attribute = RenamedAttribute("lisa_layers_attribute")
 
     @renamed_keywords("layers_attribute")
-    def __init__(self, *args, layerwise_lr_decay: float = 1.0, lisa_layers_attribute: Optional[str] = None,
-                 optim_step_in_backward: bool = False, chunked_loss: bool = True, cpu_allocator: str = "default",
-                 optim_8bit_embeddings: bool = False, progress_check_steps: int = 3, **kwargs):
+    def __init__(self, *args, lisa_layers_attribute: Optional[str] = None, **kwargs):
+        given = {name: kwargs.pop(name) for name in TRAINER_OPTIONS if name in kwargs}
+        options = _trainer_options(kwargs.get("args", args[1] if len(args) > 1 else None), given)
+        optim_step_in_backward, cpu_allocator = options["optim_step_in_backward"], options["cpu_allocator"]
         callbacks = list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(cb, TrainingProgressGuard) or cb is TrainingProgressGuard for cb in callbacks):
-            callbacks.append(TrainingProgressGuard(check_steps=progress_check_steps))  # a given one stands
+            callbacks.append(TrainingProgressGuard(check_steps=options["progress_check_steps"]))  # a given one stands
         super().__init__(*args, callbacks=callbacks, **kwargs)
         prepare_trainer(self)  # the LISA callbacks are handed this Trainer (transformers' events do not pass it)
         self._lisa_prepared = True
-        self.chunked_loss = chunked_loss and install_chunked_loss(self.model)
+        self.chunked_loss = options["chunked_loss"] and install_chunked_loss(self.model)
         on_cpu = self.args.device.type == "cpu"
         applied = apply_cpu_allocator(cpu_allocator, on_cpu=on_cpu)  # "lean"; hf-lisa train applied it already
         if applied:
@@ -157,10 +177,10 @@ class LisaTrainer(Trainer):
         self.heap_trim = heap_trim(cpu_allocator, on_cpu=on_cpu)
         if self.heap_trim is not None:
             self.heap_trim.attach(self.model)
-        self.layerwise_lr_decay = layerwise_lr_decay
+        self.layerwise_lr_decay = options["layerwise_lr_decay"]
         self.lisa_layers_attribute = lisa_layers_attribute
         self.optim_step_in_backward = optim_step_in_backward
-        self.optim_8bit_embeddings = optim_8bit_embeddings
+        self.optim_8bit_embeddings = options["optim_8bit_embeddings"]
         if optim_step_in_backward and self.optimizer is not None and steps_in_backward(self.optimizer) is None:
             raise ValueError(
                 "optim_step_in_backward=True builds its own optimizer (AdamWInBackward), but the Trainer was given "
