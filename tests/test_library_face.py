@@ -85,10 +85,11 @@ def test_keywords_still_work_for_one_release_and_train_the_same_weights(tmp_path
                                   train_dataset=TokenDataset(16), callbacks=callbacks)
         else:
             with pytest.warns(FutureWarning, match=r"LisaTrainer\(layerwise_lr_decay=\.\.\., chunked_loss=\.\.\.\): "
-                                                   r"settings as keywords are deprecated.*LisaTrainingArguments"):
+                                                   r"settings as keywords are deprecated.*LisaTrainingArguments") as w:
                 trainer = LisaTrainer(model=model, args=build_training_args(tmp_path / "old", **_SAME),
                                       train_dataset=TokenDataset(16), callbacks=callbacks,
                                       layerwise_lr_decay=0.7, chunked_loss=False)
+            assert w[0].filename == __file__  # the warning points at the caller's line
         trainer.train()
         return model.state_dict()
 
@@ -107,6 +108,31 @@ def test_a_setting_in_two_places_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"LisaTrainer: layerwise_lr_decay=2\.0 is invalid"):
         LisaTrainer(model=build_tiny_llama(), args=build_training_args(tmp_path), train_dataset=TokenDataset(8),
                     layerwise_lr_decay=2.0)
+
+
+def test_a_subclass_with_other_positional_parameters_reads_its_own_arguments(tmp_path):
+    """``LisaDPOTrainer(model, ref_model, args)``: the settings come from the arguments the Trainer resolved."""
+
+    from transformers import Trainer
+
+    class WithReference(Trainer):  # a Trainer whose second positional parameter is not the arguments, as TRL's DPO
+        def __init__(self, model, ref_model, args, **kwargs):
+            self.ref_model = ref_model
+            super().__init__(model=model, args=args, **kwargs)
+
+    class LisaWithReference(LisaTrainer, WithReference):  # composed as hf_lisa.trainer.trl.LisaDPOTrainer is
+        pass
+
+    trainer = LisaWithReference(build_tiny_llama(), build_tiny_llama(),
+                                _args(tmp_path, layerwise_lr_decay=0.6, progress_check_steps=0),
+                                train_dataset=TokenDataset(8))
+    assert trainer.layerwise_lr_decay == 0.6
+    guards = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainingProgressGuard)]
+    assert [g.check_steps for g in guards] == [0]
+    given = TrainingProgressGuard(check_steps=7)
+    trainer = LisaTrainer(model=build_tiny_llama(), args=_args(tmp_path), train_dataset=TokenDataset(8),
+                          callbacks=[given])
+    assert [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, TrainingProgressGuard)] == [given]
 
 
 def test_trl_configs_carry_the_fields_and_the_command_s_dpo_config_turns_the_chunked_loss_off(tmp_path):

@@ -156,8 +156,8 @@ def test_parses_and_reaches_the_trainer_when_compatible():
 )
 def test_refused_engines_and_scaler(changes, match):
     args = dict(gradient_accumulation_steps=1, max_grad_norm=0.0, fp16=False, optim="adamw_torch", world_size=1,
-                deepspeed=None, fsdp=[])
-    lisa_args = SimpleNamespace(optim_step_in_backward=True, method="lisa", lisa_sampling="uniform")
+                deepspeed=None, fsdp=[], optim_step_in_backward=True)  # a LisaTrainingArguments field
+    lisa_args = SimpleNamespace(method="lisa", lisa_sampling="uniform")
     with pytest.raises(UsageError, match=match):
         check_step_in_backward(lisa_args, SimpleNamespace(**{**args, **changes}))
 

@@ -119,6 +119,7 @@ def test_bad_options_are_refused_naming_them(tmp_path):
     assert not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.slow  # starts bash
 def test_the_protocol_script_parses_and_shows_its_plan():
     subprocess.run(["bash", "-n", str(PROTOCOL)], check=True)
     plan = subprocess.run(["bash", str(PROTOCOL)], env={**os.environ, "DRY_RUN": "1"}, capture_output=True,

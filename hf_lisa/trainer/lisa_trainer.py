@@ -105,7 +105,7 @@ def _trainer_options(args: Any, given: dict[str, Any]) -> dict[str, Any]:
         warnings.warn(
             f"LisaTrainer({', '.join(f'{k}=...' for k in given)}): settings as keywords are deprecated; pass them as "
             f"fields of hf_lisa.trainer.LisaTrainingArguments (the keywords work until hf-lisa {REMOVED_IN}).",
-            FutureWarning, stacklevel=3,
+            FutureWarning, stacklevel=4,
         )
     base = ({name: getattr(args, name) for name in TRAINER_OPTIONS} if isinstance(args, LisaTrainingArguments)
             else dict(TRAINER_OPTIONS))
@@ -161,12 +161,13 @@ class LisaTrainer(Trainer):
     @renamed_keywords("layers_attribute")
     def __init__(self, *args, lisa_layers_attribute: Optional[str] = None, **kwargs):
         given = {name: kwargs.pop(name) for name in TRAINER_OPTIONS if name in kwargs}
-        options = _trainer_options(kwargs.get("args", args[1] if len(args) > 1 else None), given)
-        optim_step_in_backward, cpu_allocator = options["optim_step_in_backward"], options["cpu_allocator"]
         callbacks = list(kwargs.pop("callbacks", None) or [])
-        if not any(isinstance(cb, TrainingProgressGuard) or cb is TrainingProgressGuard for cb in callbacks):
-            callbacks.append(TrainingProgressGuard(check_steps=options["progress_check_steps"]))  # a given one stands
+        guarded = any(isinstance(cb, TrainingProgressGuard) or cb is TrainingProgressGuard for cb in callbacks)
         super().__init__(*args, callbacks=callbacks, **kwargs)
+        options = _trainer_options(self.args, given)  # the arguments the Trainer resolved, whatever the subclass
+        optim_step_in_backward, cpu_allocator = options["optim_step_in_backward"], options["cpu_allocator"]
+        if not guarded:  # a guard given in callbacks stands
+            self.add_callback(TrainingProgressGuard(check_steps=options["progress_check_steps"]))
         prepare_trainer(self)  # the LISA callbacks are handed this Trainer (transformers' events do not pass it)
         self._lisa_prepared = True
         self.chunked_loss = options["chunked_loss"] and install_chunked_loss(self.model)
