@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..methods import get_method
-from ..trainer.trl import LisaDPOConfig, LisaDPOTrainer
+from ..trainer.trl_dpo import LisaDPOConfig, LisaDPOTrainer
 from .output_dir import RunTrainingArguments
 from .preference import apply_length_policy, hold_out_after_skipping
 from .validation import LINE_COLUMN

@@ -66,6 +66,7 @@ run_tests() {
   local t0 selection rc=0; t0=$(now)
   selection=(
     tests/test_scheduler_full.py tests/test_private_trainer_api.py tests/compat/test_peft_requirement.py
+    tests/test_library_face.py tests/test_renamed.py  # LisaTrainingArguments on each lane's TrainingArguments
     "tests/test_train_cli.py::test_every_method_trains_saves_and_reloads[lisa]"
     "tests/test_train_cli.py::test_every_method_trains_saves_and_reloads[full]"
   )
