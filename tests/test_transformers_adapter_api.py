@@ -191,5 +191,8 @@ def test_peft_model_keeps_interpolation_where_transformers_refuses(interpolation
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
     tuner = reference.base_model
     torch.testing.assert_close(tuner.lisa_interp_beta["default"], torch.linspace(0.5, -0.5, 3))
-    direct = hf_lisa.LisaModel(tiny_llama(), LisaConfig(r=4, layer_interpolation=True), "default")
+    direct = hf_lisa.LisaModel(tiny_llama(), {"default": LisaConfig(r=4, layer_interpolation=True)}, "default")
     assert direct.lisa_interp_delta["default"].shape == (3,)
+    # a bare config is how inject_adapter_in_model builds the tuner it drops: refused, with the kept form named
+    with pytest.raises(ValueError, match=r"LisaModel\(model, \{adapter_name: config\}, adapter_name\)"):
+        hf_lisa.LisaModel(tiny_llama(), LisaConfig(r=4, layer_interpolation=True), "default")

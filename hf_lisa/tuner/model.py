@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+from peft import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
@@ -38,25 +38,9 @@ _INJECT_INTERPOLATION_ERROR = (
     "the PEFT tuner (LisaModel), which peft.inject_adapter_in_model - and with it transformers' model.load_adapter, "
     "model.add_adapter and AutoModel*.from_pretrained(adapter_dir) - builds and then drops, so alpha/beta would be "
     "silently ignored and never trained. Load the adapter with peft.PeftModel.from_pretrained(base_model, adapter_dir) "
-    "or hf_lisa.from_pretrained(adapter_dir), and create one with peft.get_peft_model(model, LisaConfig(...))."
+    "or hf_lisa.from_pretrained(adapter_dir), and create one with peft.get_peft_model(model, LisaConfig(...)) (or "
+    "keep the tuner yourself: LisaModel(model, {{adapter_name: config}}, adapter_name))."
 )
-
-
-def _built_by_inject_adapter_in_model(tuner: BaseTuner) -> bool:
-    """Whether ``tuner`` is being constructed by ``peft.inject_adapter_in_model``, which returns the bare model.
-
-    The frames of the tuner's own construction (``_pre_injection_hook``, ``BaseTuner.__init__``) are skipped; the
-    first frame outside them is the one that called ``LisaModel(...)``.
-    """
-    import inspect
-
-    from peft.mapping import inject_adapter_in_model
-
-    target = inspect.unwrap(inject_adapter_in_model).__code__
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_locals.get("self") is tuner:
-        frame = frame.f_back
-    return frame is not None and frame.f_code is target
 
 
 def _conv1d_type():
@@ -92,8 +76,25 @@ class LisaModel(BaseTuner):
     #: (TRL, label smoothing) never see ``outputs.loss``, and a loss term is multiplied by the number of micro-batches
     interpolation_penalty_in_loss: bool = True
 
+    def __init__(
+        self,
+        model: nn.Module,
+        peft_config: Union[PeftConfig, dict[str, PeftConfig]],
+        adapter_name: str,
+        low_cpu_mem_usage: bool = False,
+        state_dict: Optional[dict[str, torch.Tensor]] = None,
+    ) -> None:
+        # Who keeps this tuner? PeftModel (get_peft_model, PeftModel.from_pretrained, hf_lisa.from_pretrained) builds
+        # it from a dict {adapter_name: config} and keeps it as ``base_model``; peft.inject_adapter_in_model (and with
+        # it transformers' load_adapter/add_adapter) builds it from a bare config and returns only the inner model.
+        # Layer interpolation's alpha/beta live on the tuner, so a bare config with layer_interpolation is refused in
+        # _pre_injection_hook. Decided from the public constructor's argument, not from the caller's stack frame.
+        # A plain attribute: nn.Module.__init__ (run by BaseTuner.__init__ below) keeps it.
+        self._lisa_bare_config = isinstance(peft_config, PeftConfig)
+        super().__init__(model, peft_config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+
     def _pre_injection_hook(self, model: nn.Module, config: LisaConfig, adapter_name: str) -> None:
-        if config.layer_interpolation and _built_by_inject_adapter_in_model(self):
+        if config.layer_interpolation and self._lisa_bare_config:
             if self.peft_config.get(adapter_name) is config:  # BaseTuner may have added it to the model's own dict
                 del self.peft_config[adapter_name]
             raise ValueError(_INJECT_INTERPOLATION_ERROR.format(adapter_name=adapter_name))
