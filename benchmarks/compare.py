@@ -1,7 +1,7 @@
 """Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers, side by side in one run.
 
 Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
-``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.train.data``), each in its own
+``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
 process so that peak memory is per method. The peers BAdam and GaLore come from their own packages and run in a plain
 ``transformers.Trainer`` as their docs say (``benchmarks/peers.py``). A measuring callback records, per optimizer step:
 wall time, tokens, optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss;
@@ -80,7 +80,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
         load_model_and_tokenizer,
         resolve_model_path,
     )
-    from hf_lisa.train import data as data_lib
+    from hf_lisa import data as data_lib
     from hf_lisa.trainer import LisaTrainer
 
     spec = METHODS[method]

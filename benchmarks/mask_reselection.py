@@ -81,7 +81,7 @@ def load_task(ns: argparse.Namespace) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_lisa.train import data as data_lib
+    from hf_lisa import data as data_lib
     from hf_lisa.demo_task import cached_dataset_files
     from hf_lisa.models import DEFAULT_MODEL_ID, default_model_path
 

@@ -6,7 +6,7 @@ prompt/completion rows), for one pass over them, with the same batch size:
 
 * **unpacked**: ``--batch-size`` rows per step, right-padded to the longest row of the batch (the default);
 * **packed**: ``--batch-size`` sequences of up to ``--pack-length`` tokens per step, each holding several rows
-  (``hf_lisa.train.packing``): fewer steps for the same rows, no padding inside a sequence.
+  (``hf_lisa.data.packing``): fewer steps for the same rows, no padding inside a sequence.
 
 Reported per mode: the steps, the median seconds per step, tokens per second (tokens of the rows, padding not counted,
 over the timed steps: every step after the first), the share of the computed positions that were padding, and the
@@ -77,7 +77,7 @@ def load_rows(ns: argparse.Namespace):
     """``(tokenizer, model path, tokenised train rows)``: the bundled task's first ``--rows`` rows."""
     from hf_lisa.demo_task import cached_dataset_files
     from hf_lisa.models import default_model_path
-    from hf_lisa.train import data as data_lib
+    from hf_lisa import data as data_lib
 
     path = default_model_path()
     tokenizer = _tokenizer(path)
@@ -113,8 +113,8 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
 
     from hf_lisa.train import apply_method
     from hf_lisa.trainer import LisaTrainer
-    from hf_lisa.train import data as data_lib
-    from hf_lisa.train.packing import prepare_packing
+    from hf_lisa import data as data_lib
+    from hf_lisa.data.packing import prepare_packing
 
     _, _, lisa_args, training_args = _arguments(ns, f"{work_dir}/{mode}", packing=mode == "packed")
     set_seed(ns.seed)

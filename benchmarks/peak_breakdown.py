@@ -62,7 +62,7 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     from benchmarks.measure import current_rss_bytes
     from hf_lisa.optim.in_backward import AdamWInBackward
     from hf_lisa.train import ModelArguments, load_model_and_tokenizer, resolve_model_path
-    from hf_lisa.train import data as data_lib
+    from hf_lisa import data as data_lib
     from hf_lisa.optim import install_chunked_loss
     from hf_lisa.optim import apply_cpu_allocator, heap_trim
 

@@ -262,7 +262,7 @@ def setup_peer(peer: str, model, inventory, preset, learning_rate: float, device
 def peer_trainer_class():
     """A plain ``transformers.Trainer`` with the harness's two environment settings that every method shares:
     ``chunked_loss`` (the model's loss function; the same value) and ``cpu_allocator="trim"`` (heap trimming in the
-    backward pass), as ``hf_lisa.train.LisaTrainer`` applies them. Nothing else of hf-lisa's Trainer."""
+    backward pass), as ``hf_lisa.trainer.LisaTrainer`` applies them. Nothing else of hf-lisa's Trainer."""
     from transformers import Trainer
 
     from hf_lisa.optim import install_chunked_loss

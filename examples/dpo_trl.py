@@ -17,8 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 import hf_lisa
-from hf_lisa.demo_task import ANSWER_MARKER
-from hf_lisa.train.data import load_task_or_file
+from hf_lisa.demo_task import ANSWER_MARKER, load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 

@@ -14,8 +14,8 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import hf_lisa
-from hf_lisa.train.data import data_collator, tokenize_datasets
-from hf_lisa.train.data import load_task_or_file
+from hf_lisa.data import data_collator, tokenize_datasets
+from hf_lisa.demo_task import load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback

@@ -12,8 +12,8 @@ import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-from hf_lisa.train.data import data_collator, tokenize_datasets
-from hf_lisa.train.data import load_task_or_file
+from hf_lisa.data import data_collator, tokenize_datasets
+from hf_lisa.demo_task import load_task_or_file
 from hf_lisa.models import default_model_path
 from hf_lisa.trainer_callbacks import LisaCallback, prepare_trainer
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback

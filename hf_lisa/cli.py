@@ -95,7 +95,7 @@ def lisa_config_reference(fmt: str = "markdown") -> str:
 
 def config_reference(fmt: str = "markdown") -> str:
     """The configuration reference of ``hf-lisa train``, generated from the dataclasses' help metadata and, for the
-    method's options, the methods that use them (``hf_lisa.train.options.OPTION_METHODS``).
+    method's options, the methods that use them (``hf_lisa.train.parsing.options.OPTION_METHODS``).
 
     ``TrainingArguments`` is summarised by a pointer to the transformers documentation rather than repeated.
     """
@@ -103,14 +103,14 @@ def config_reference(fmt: str = "markdown") -> str:
 
     from .option_aliases import ALIASES, help_note
     from .train import ARGUMENT_CLASSES, METHOD_NAMES
-    from .train.options import OPTION_METHODS
+    from .train.parsing.options import OPTION_METHODS
 
     def flags(text: str) -> str:  # `--lora_r` in markdown, as the option column spells options
         return re.sub(r"(--\w+)", r"`\1`", text) if fmt == "markdown" else text
 
     from transformers import TrainingArguments
 
-    from .train.output_dir import RunTrainingArguments
+    from .train.run_folder.output_dir import RunTrainingArguments
 
     theirs_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines, options = [], set()
@@ -215,7 +215,7 @@ def _refuse_unknown_keys(path: str) -> None:
             import yaml
 
             values = yaml.safe_load(text)
-    except Exception:  # noqa: BLE001 -- the full reader (hf_lisa.train.config_file) names the problem
+    except Exception:  # noqa: BLE001 -- the full reader (hf_lisa.train.parsing.config_file) names the problem
         return
     if not isinstance(values, dict):
         return
@@ -375,16 +375,16 @@ def _take_debug_flag(rest: list[str]) -> tuple[list[str], bool]:
 def _resume_hint(args: argparse.Namespace) -> str:
     """Where an interrupted ``train``/``demo`` run can resume from: the newest complete checkpoint of its output
     directory, or that it has none. The output directory is the one the run's own parse found
-    (:func:`hf_lisa.train.arguments.parsed_output_dir`): nothing is parsed or read again (a FIFO or a slow file named
+    (:func:`hf_lisa.train.parsing.arguments.parsed_output_dir`): nothing is parsed or read again (a FIFO or a slow file named
     by an option would block the interrupt)."""
     if args.command not in ("train", "demo"):
         return ""
     try:
-        arguments = sys.modules.get("hf_lisa.train.arguments")
+        arguments = sys.modules.get("hf_lisa.train.parsing.arguments")
         output_dir = arguments.parsed_output_dir(list(args.rest)) if arguments is not None else None
         if output_dir is None:  # interrupted before its arguments were parsed
             raise LookupError
-        from .train.output_dir import latest_checkpoint
+        from .train.run_folder.output_dir import latest_checkpoint
 
         checkpoint = latest_checkpoint(output_dir)
     except BaseException:  # noqa: BLE001 - interrupted during start-up (an import cut short, its own arguments): no hint

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["ANSWER_MARKER", "NAMES", "OBJECTS", "TASK_VERSION", "announce_bundled_task", "bundled_task_notice",
-           "cached_dataset_files", "extract_answer", "generate_problems", "write_demo_dataset"]
+           "cached_dataset_files", "extract_answer", "generate_problems", "load_task_or_file", "write_demo_dataset"]
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ada", "Ben", "Lily")
 OBJECTS = ("apples", "books", "stickers", "marbles", "pencils", "cookies", "coins", "cards", "shells", "balloons")
@@ -177,3 +177,19 @@ def announce_bundled_task(n_train: int, main_process: bool = True) -> None:
     """Print :func:`bundled_task_notice` (once, on the main process)."""
     if main_process:
         print(bundled_task_notice(n_train), flush=True)
+
+
+def load_task_or_file(train_file: Optional[str] = None, n_train: int = 1000, n_validation: int = 32):
+    """Raw ``train``/``validation`` datasets: ``train_file`` (5% held out) when given, else the bundled task.
+
+    What the examples start from: a user's own file, or, without one, this bundled arithmetic task.
+
+    Returns:
+        A ``datasets.DatasetDict``, as :func:`load_raw_datasets` returns it.
+    """
+    from .data import load_raw_datasets
+
+    if train_file:
+        return load_raw_datasets(train_file=train_file, validation_split_percentage=5)
+    train, validation = cached_dataset_files(n_train, n_validation)
+    return load_raw_datasets(train_file=train, validation_file=validation)

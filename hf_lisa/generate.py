@@ -284,14 +284,14 @@ def resolve_device(device: str) -> str:
 
 def use_chat_template(tokenizer, choice: str, recorded: Optional[str] = None) -> bool:
     """Whether prompts go through ``tokenizer``'s chat template, for ``--chat_template`` ``choice``: ``auto``,
-    ``always``, ``never``, or a built-in name or Jinja file (:mod:`hf_lisa.train.chat_templates`, installed as the
+    ``always``, ``never``, or a built-in name or Jinja file (:mod:`hf_lisa.data.chat_templates`, installed as the
     tokenizer's template, as ``hf-lisa train`` does). ``recorded`` is the mode the run trained with: ``auto`` follows
     a run that trained with ``never``.
 
     Raises:
         UsageError: ``always`` with a tokenizer that has none; an unknown name or a bad file.
     """
-    from .train.chat_templates import install_chat_template
+    from .data.chat_templates import install_chat_template
 
     if install_chat_template(tokenizer, choice):
         return True

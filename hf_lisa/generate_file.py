@@ -77,7 +77,7 @@ def _bad_dataset_row(row: dict) -> Optional[str]:
             if key in row and row[key] is not None and not isinstance(row[key], str):
                 return f"Alpaca row: {key!r} must be a string, got {type(row[key]).__name__}"
         return None if row["instruction"].strip() else "Alpaca row: 'instruction' is empty"
-    from .train.formats import SHAREGPT_ROLES
+    from .data.formats import SHAREGPT_ROLES
 
     turns = row["conversations"]
     if not isinstance(turns, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str)
@@ -95,7 +95,7 @@ def prompt_of(row: dict, chat: bool):
     (the assistant turns after it are the reference, not the prompt)."""
     if "prompt" in row or "messages" in row:
         return row.get("prompt", row.get("messages"))
-    from .train.formats import SHAREGPT_ROLES, alpaca_prompt
+    from .data.formats import SHAREGPT_ROLES, alpaca_prompt
 
     system = row.get("system") if isinstance(row.get("system"), str) and row["system"].strip() else None
     head = [{"role": "system", "content": system}] if system else []

@@ -1,6 +1,6 @@
 """The training methods of hf-lisa, in one table: what each trains, which of its settings differ by method, and how it
 is built. The CLI's ``--method`` choices, the option table of ``hf-lisa train``
-(:data:`hf_lisa.train.options.OPTION_METHODS`), the model card and the resume checks all ask this module; no other
+(:data:`hf_lisa.train.parsing.options.OPTION_METHODS`), the model card and the resume checks all ask this module; no other
 module spells a method's name.
 
 A method is described by what it *is*, not by a branch per name elsewhere:

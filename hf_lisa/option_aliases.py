@@ -1,5 +1,5 @@
 """The names LLaMA-Factory, axolotl and TRL users type from habit, mapped once for ``hf-lisa train`` (a leaf module:
-read before torch loads, by :mod:`hf_lisa.option_names` and :mod:`hf_lisa.train.arguments`).
+read before torch loads, by :mod:`hf_lisa.option_names` and :mod:`hf_lisa.train.parsing.arguments`).
 
 * :data:`ALIASES`: a peer's name whose meaning is exactly an hf-lisa option's (same unit, same values): accepted on
   the command line and as a config-file key, and translated to the hf-lisa name before parsing.

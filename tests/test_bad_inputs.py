@@ -648,7 +648,7 @@ def test_sigterm_stops_with_143_and_names_the_checkpoint_to_resume(paths, tmp_pa
 
 def test_ctrl_c_during_start_up_is_one_line_with_130(paths, tmp_path, capsys, monkeypatch):
     """Ctrl-C that cuts an import short leaves modules half-initialised; the resume hint must not trip over them."""
-    import hf_lisa.train.output_dir as output_dir
+    import hf_lisa.train.run_folder.output_dir as output_dir
 
     run_module = sys.modules["hf_lisa.train.run"]  # hf_lisa.train.run is also the name of the function
 

@@ -179,7 +179,7 @@ def test_generate_reads_alpaca_and_sharegpt_rows_as_train_does(tiny, tmp_path, c
     assert [line["generation"] for line in lines] == [greedy_reply(model, tokenizer, p) for p in DATASET_PROMPTS]
     assert [{k: v for k, v in line.items() if k != "generation"} for line in lines] == DATASET_ROWS
     # without a chat template, an Alpaca row is the Stanford Alpaca prompt, as training renders it
-    from hf_lisa.train.formats import alpaca_prompt
+    from hf_lisa.data.formats import alpaca_prompt
 
     status, stdout, err = run_cli(["generate", path, "--prompts", write_jsonl(tmp_path / "a.jsonl", DATASET_ROWS[:2]),
                                    "--output", "-", "--chat_template", "never", *GREEDY], capsys)
@@ -410,7 +410,7 @@ def test_messages_without_a_template_are_refused_before_anything_generates(tiny,
 
 
 def test_the_parser_spells_the_chat_template_modes_of_training():
-    from hf_lisa.train.chat_templates import CHAT_TEMPLATE_MODES
+    from hf_lisa.data.chat_templates import CHAT_TEMPLATE_MODES
 
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["chat"].format_help()
     assert all(f"'{mode}'" in help_text for mode in CHAT_TEMPLATE_MODES)

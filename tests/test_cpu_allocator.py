@@ -88,7 +88,7 @@ def test_option_values():
 
 
 def _train(tiny_llama, token_dataset, training_args, allocator: str, method: str = "full"):
-    from hf_lisa.train import LisaTrainer
+    from hf_lisa.trainer import LisaTrainer
 
     model = tiny_llama(num_layers=2, tie=True)
     if method == "lora":

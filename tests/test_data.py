@@ -7,7 +7,7 @@ import logging
 import pytest
 from train_fixtures import build_char_tokenizer, write_jsonl
 
-from hf_lisa.train.data import (
+from hf_lisa.data.pipeline import (
     IGNORE_INDEX,
     DataError,
     data_collator,
@@ -85,7 +85,7 @@ def test_bad_rows_are_skipped_counted_and_logged(tmp_path, tokenizer, caplog):
         {"prompt": "say b", "completion": None},
         {"prompt": "long " * 40, "completion": "zzz"},
     ]
-    with caplog.at_level(logging.WARNING, logger="hf_lisa.train.data"):
+    with caplog.at_level(logging.WARNING, logger="hf_lisa.data.pipeline"):
         tokenized, report = _tokenize(tmp_path, tokenizer, rows, max_seq_length=64)
     assert len(tokenized["train"]) == 1
     assert report.skipped["train"] == {"empty prompt": 1, "missing completion": 1, "longer than max_seq_length=64": 1}
@@ -172,7 +172,7 @@ def test_the_skip_table_lists_the_first_lines_of_the_file_in_order():
     are more."""
     from collections import Counter
 
-    from hf_lisa.train.validation import skip_table
+    from hf_lisa.data.validation import skip_table
 
     table = skip_table(Counter({"empty prompt": 7, "longer than max_seq_length=64": 2}),
                        {"empty prompt": [3, 4, 9, 12, 15], "longer than max_seq_length=64": [8, 20]}, "line")

@@ -23,7 +23,7 @@ from train_fixtures import (
     write_jsonl,
 )
 
-from hf_lisa.train.data import (
+from hf_lisa.data.pipeline import (
     IGNORE_INDEX,
     DataError,
     load_raw_datasets,
@@ -297,7 +297,7 @@ def test_the_table_covers_each_outcome():
 def test_skips_are_logged_as_a_table_with_their_lines(tmp_path, tokenizer, caplog):
     rows = [PC, {"prompt": "a", "completion": 42}, {"prompt": "", "completion": "b"}, {"prompt": "a", "completion": 1}]
     case = Case("log", rows, SKIPPED)
-    with caplog.at_level(logging.WARNING, logger="hf_lisa.train.data"):
+    with caplog.at_level(logging.WARNING, logger="hf_lisa.data.pipeline"):
         _load_and_tokenize(tmp_path, tokenizer, case)
     assert "Skipped 3 of 4 train rows (train_file=" in caplog.text
     table = caplog.text[caplog.text.index("reason"):].splitlines()

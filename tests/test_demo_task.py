@@ -66,7 +66,7 @@ def test_invalid_sizes_are_rejected_with_the_field_name():
 def test_load_task_or_file_gives_the_bundled_task_or_the_users_file(tmp_path, monkeypatch):
     import json
 
-    from hf_lisa.train.data import load_task_or_file
+    from hf_lisa.demo_task import load_task_or_file
 
     monkeypatch.setenv("HF_LISA_CACHE", str(tmp_path / "cache"))
     bundled = load_task_or_file(n_train=40, n_validation=8)

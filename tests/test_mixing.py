@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 from hf_lisa.errors import UsageError
-from hf_lisa.train.data import IGNORE_INDEX, check_data, data_collator, tokenize_datasets
-from hf_lisa.train.sources import check_source_paths, mixture_order, normalised_weights, parse_sources
-from hf_lisa.train.training_data import load_training_data
+from hf_lisa.data.pipeline import IGNORE_INDEX, check_data, data_collator, tokenize_datasets
+from hf_lisa.data.sources import check_source_paths, mixture_order, normalised_weights, parse_sources
+from hf_lisa.data.training_data import load_training_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,7 +166,7 @@ def test_each_strategy_gives_the_rows_of_its_formula(strategy, sizes, weights, s
 
 
 def test_the_default_strategy_and_the_llama_factory_names():
-    from hf_lisa.train.sources import resolve_mix_strategy
+    from hf_lisa.data.sources import resolve_mix_strategy
 
     assert resolve_mix_strategy("auto", parse_sources("a.jsonl,b.jsonl")) == "concat"  # no weights: every row once
     assert resolve_mix_strategy("auto", parse_sources([{"path": "a.jsonl"}, "b.jsonl"])) == "concat"
@@ -207,7 +207,7 @@ def test_bad_strategies_are_refused_before_anything_loads(tmp_path, argv, messag
 
 
 def test_an_oversampled_mixture_that_would_never_end_is_refused():
-    from hf_lisa.train.validation import DataError
+    from hf_lisa.data.validation import DataError
 
     with pytest.raises(DataError, match=r"--mix_strategy all_exhausted: to use every row of every source \(1000 rows "
                                         r"at share 1, 1000 rows at share 1e-06\) the mixture would draw about "

@@ -22,7 +22,7 @@ from conftest import TokenDataset, build_training_args
 from hf_lisa.blocks import find_blocks
 from hf_lisa.methods import get_method
 from hf_lisa.train import parse_args
-from hf_lisa.train.arguments import lisa_config_kwargs
+from hf_lisa.train.parsing.arguments import lisa_config_kwargs
 from hf_lisa.train.methods import apply_method
 from hf_lisa.train.preflight import check_on_meta_model
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback

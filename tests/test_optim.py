@@ -7,7 +7,7 @@ import torch
 from conftest import TokenDataset, build_tiny_llama, build_training_args
 
 from hf_lisa.scheduler.param_groups import assign_param_groups, layerwise_lr, layerwise_lr_decay_param_groups
-from hf_lisa.train import LisaTrainer
+from hf_lisa.trainer import LisaTrainer
 
 
 def _group_lrs(optimizer) -> dict[str, float]:

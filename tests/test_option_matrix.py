@@ -1,6 +1,6 @@
 """Every ``--method`` against every option of ``hf-lisa train``: refused with a message naming both, or accepted.
 
-Only ``parse_args`` runs (no model is loaded). The table under test is ``hf_lisa.train.options.OPTION_METHODS``; the
+Only ``parse_args`` runs (no model is loaded). The table under test is ``hf_lisa.train.parsing.options.OPTION_METHODS``; the
 value rules are ``hf_lisa.tuner.config.check_lisa_settings``.
 """
 
@@ -14,9 +14,9 @@ import yaml
 
 from hf_lisa import LisaConfig
 from hf_lisa.train import METHOD_NAMES as METHODS, LisaArguments, parse_args
-from hf_lisa.train.arguments import _COMMAND_LINE_FORMS, lisa_config_kwargs
-from hf_lisa.train.options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS
-from hf_lisa.train.options import OPTION_METHODS
+from hf_lisa.train.parsing.arguments import _COMMAND_LINE_FORMS, lisa_config_kwargs
+from hf_lisa.train.parsing.options import _NOT_OPTIONS, LISA_CONFIG_OPTIONS
+from hf_lisa.train.parsing.options import OPTION_METHODS
 from hf_lisa.trainer.training_args import TRAINER_OPTIONS
 from hf_lisa.tuner.config import LAYER_SCHEDULE_DEFAULTS, lisa_config_fields
 

@@ -20,7 +20,7 @@ MODULE = Path(__file__).resolve().parents[1] / "hf_lisa" / "option_names.py"
 
 
 def parser_names() -> set[str]:
-    from hf_lisa.train.arguments import build_parser
+    from hf_lisa.train.parsing.arguments import build_parser
 
     return {o[2:].replace("-", "_") for action in build_parser()._actions for o in action.option_strings
             if o.startswith("--") and o != "--help"}
@@ -79,7 +79,7 @@ def parser_help() -> str:
     """``hf-lisa train --help`` as the full parser prints it, wrapped for 100 columns."""
     import os
 
-    from hf_lisa.train.arguments import build_parser
+    from hf_lisa.train.parsing.arguments import build_parser
 
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"

@@ -35,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
 from hf_lisa.scheduler.state import LISA_STATE_FILE
 from hf_lisa.train import main
-from hf_lisa.train.output_dir import MANIFEST_NAME, latest_checkpoint
+from hf_lisa.train.run_folder.output_dir import MANIFEST_NAME, latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("output_safety_driver.py")
@@ -253,7 +253,7 @@ REFUSED = [
 def test_refused_before_anything_loads(case, tiny, runs, tmp_path, monkeypatch):
     import transformers
 
-    import hf_lisa.train.data as data_module
+    import hf_lisa.data.pipeline as data_module
 
     def tripwire(*args, **kwargs):
         raise AssertionError("weights or data were loaded before the output directory was checked")
@@ -532,7 +532,7 @@ def test_resume_from_the_checkpoint_at_max_steps_trains_nothing_and_says_so(meth
 # Issue 23: one run per folder, overwrite removes only what hf-lisa wrote, checkpoints and held-out rows said
 # ----------------------------------------------------------------------------------------------------------------------
 from hf_lisa import cli  # noqa: E402
-from hf_lisa.train.run_lock import LOCK_NAME  # noqa: E402
+from hf_lisa.train.run_folder.run_lock import LOCK_NAME  # noqa: E402
 
 #: files of a project folder that no hf-lisa run wrote (issue 23: --overwrite_output_dir deleted them)
 PROJECT_FILES = {"README.md": "# my project\n", "tsconfig.json": '{"compilerOptions": {}}\n',
@@ -569,7 +569,7 @@ def test_a_second_run_into_a_locked_output_dir_exits_2_naming_it_and_a_killed_ho
         tiny, tmp_path, capsys):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom hf_lisa.train.run_lock import OutputDirLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom hf_lisa.train.run_folder.run_lock import OutputDirLock\n"
          "lock = OutputDirLock(sys.argv[1]); lock.acquire(); print('LOCKED', flush=True); time.sleep(600)", str(out)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

@@ -12,8 +12,8 @@ from tiny_models import tiny_gpt2, tiny_llama
 from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 from hf_lisa.errors import UsageError
-from hf_lisa.train.data import IGNORE_INDEX, data_collator, load_raw_datasets, tokenize_datasets
-from hf_lisa.train.packing import (
+from hf_lisa.data.pipeline import IGNORE_INDEX, data_collator, load_raw_datasets, tokenize_datasets
+from hf_lisa.data.packing import (
     PackedCollator,
     check_packing_support,
     pack_dataset,
@@ -191,7 +191,7 @@ def _check_equal_to_unpacked(model, rows, max_len, tmp_path, pad_id, tol, grads=
 
 
 def _padded(rows, pad_id):
-    """The unpacked batch: rows right-padded, as ``hf_lisa.train.data.data_collator`` pads them."""
+    """The unpacked batch: rows right-padded, as ``hf_lisa.data.pipeline.data_collator`` pads them."""
     width = max(len(r["input_ids"]) for r in rows)
     pad = [width - len(r["input_ids"]) for r in rows]
     return {"input_ids": torch.tensor([r["input_ids"] + [pad_id] * n for r, n in zip(rows, pad)]),

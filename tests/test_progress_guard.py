@@ -17,7 +17,7 @@ import hf_lisa
 from hf_lisa import cli
 from hf_lisa.errors import NothingTrainedError
 from hf_lisa.scheduler import MaskScheduler
-from hf_lisa.train import LisaTrainer
+from hf_lisa.trainer import LisaTrainer
 from hf_lisa.tuner.schedule_guard import attach_schedule
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback, TrainingProgressGuard, progress
 

@@ -20,8 +20,8 @@ from hf_lisa.renamed import RENAMED, REMOVED_IN
 from hf_lisa.scheduler import LayerwiseScheduler, MaskScheduler
 from hf_lisa.scheduler.param_groups import assign_param_groups, layerwise_lr_decay_param_groups
 from hf_lisa.scheduler.sampler import LayerSampler
-from hf_lisa.train import LisaTrainer
-from hf_lisa.train.arguments import LisaArguments
+from hf_lisa.trainer import LisaTrainer
+from hf_lisa.train.parsing.arguments import LisaArguments
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 

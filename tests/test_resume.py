@@ -204,7 +204,7 @@ def test_resume_refuses_a_missing_or_older_schedule_with_a_clear_error(tiny_llam
 
 # -- LisaTrainer: checkpoints appear only when complete; train_loss over the whole run; no token in the pickle --------
 def _lisa_trainer(tiny_llama, token_dataset, args, **kwargs):
-    from hf_lisa.train import LisaTrainer
+    from hf_lisa.trainer import LisaTrainer
 
     return LisaTrainer(model=tiny_llama(), args=args, train_dataset=token_dataset(),
                        callbacks=[LisaCallback(lisa_activated_layers=1, lisa_interval_steps=3, seed=9)], **kwargs)

@@ -20,8 +20,8 @@ import pytest
 from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 
 from hf_lisa import cli
-from hf_lisa.train.output_dir import MANIFEST_NAME
-from hf_lisa.train.run_lock import LOCK_NAME
+from hf_lisa.train.run_folder.output_dir import MANIFEST_NAME
+from hf_lisa.train.run_folder.run_lock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("output_safety_driver.py")

@@ -16,7 +16,7 @@ from conftest import TokenDataset
 from train_fixtures import build_char_tokenizer, build_tiny_lm_dir, copy_task_rows, write_jsonl
 from hf_lisa.scheduler.param_groups import layerwise_lr_decay_param_groups
 from hf_lisa.train import main, parse_args
-from hf_lisa.train.arguments import lisa_config_kwargs
+from hf_lisa.train.parsing.arguments import lisa_config_kwargs
 from hf_lisa.train.methods import lisa_knobs
 from hf_lisa.trainer.lisa_trainer import LisaTrainer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback

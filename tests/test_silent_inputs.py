@@ -18,9 +18,9 @@ from train_fixtures import build_char_tokenizer, build_tiny_lm_dir, copy_task_ro
 from hf_lisa import cli
 from hf_lisa.demo_task import bundled_task_notice
 from hf_lisa.train import parse_args
-from hf_lisa.train.data import check_data, tokenize_datasets
-from hf_lisa.train.sources import mixture_order
-from hf_lisa.train.training_data import load_training_data
+from hf_lisa.data.pipeline import check_data, tokenize_datasets
+from hf_lisa.data.sources import mixture_order
+from hf_lisa.data.training_data import load_training_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

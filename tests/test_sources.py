@@ -12,9 +12,9 @@ import pytest
 from train_fixtures import build_tiny_lm_dir, build_char_tokenizer, copy_task_rows, write_jsonl
 
 from hf_lisa.errors import UsageError
-from hf_lisa.train.data import DataError, check_data, load_raw_datasets, tokenize_datasets
-from hf_lisa.train.sources import check_source_arguments, folder_files
-from hf_lisa.train.training_data import load_training_data
+from hf_lisa.data.pipeline import DataError, check_data, load_raw_datasets, tokenize_datasets
+from hf_lisa.data.sources import check_source_arguments, folder_files
+from hf_lisa.data.training_data import load_training_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

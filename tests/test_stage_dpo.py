@@ -30,7 +30,7 @@ from train_fixtures import build_char_tokenizer, build_tiny_lm_dir, copy_task_ro
 
 from hf_lisa import cli
 from hf_lisa.train import main, parse_args
-from hf_lisa.train.validation import DataError
+from hf_lisa.data.validation import DataError
 
 pytest.importorskip("trl", reason="--stage dpo runs TRL's DPOTrainer (hf-lisa[trl])")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny models gain nothing from more threads
@@ -245,7 +245,7 @@ def test_hf_lisa_train_stage_dpo_trains_the_embedded_model_with_full_parameter_l
 # data
 # ----------------------------------------------------------------------------------------------------------------------
 def _raw(path: str):
-    from hf_lisa.train.data import load_raw_datasets
+    from hf_lisa.data.pipeline import load_raw_datasets
 
     return load_raw_datasets(train_file=path, validation_split_percentage=0, line_numbers=True)
 
@@ -257,7 +257,7 @@ def _data_args(**overrides):
 
 
 def test_missing_preference_columns_are_named_before_the_model_loads(tmp_path):
-    from hf_lisa.train.preference import check_preference_data
+    from hf_lisa.data.preference import check_preference_data
 
     path = write_jsonl(tmp_path / "sft.jsonl", copy_task_rows(4))
     with pytest.raises(DataError, match=r"sft.jsonl'.*has the columns \['prompt', 'completion'\], but --stage dpo "
@@ -282,7 +282,7 @@ BAD_ROWS = [
 
 
 def test_bad_preference_rows_are_skipped_counted_or_refused_by_line(tmp_path):
-    from hf_lisa.train.preference import preference_datasets
+    from hf_lisa.data.preference import preference_datasets
 
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
     rows, report = preference_datasets(_raw(path), build_char_tokenizer(), _data_args(chat_template="never"))
@@ -295,7 +295,7 @@ def test_bad_preference_rows_are_skipped_counted_or_refused_by_line(tmp_path):
 
 
 def test_rows_become_chat_turns_and_implicit_prompts_are_split_off():
-    from hf_lisa.train.preference import PreferenceColumns, preference_row
+    from hf_lisa.data.preference import PreferenceColumns, preference_row
 
     columns = PreferenceColumns()
     user, good, bad = ({"role": role, "content": text} for role, text in
@@ -320,7 +320,7 @@ def test_rows_become_chat_turns_and_implicit_prompts_are_split_off():
 def _prepared(lengths: list[tuple[int, int, int]]):
     import datasets
 
-    from hf_lisa.train.validation import add_locations
+    from hf_lisa.data.validation import add_locations
 
     rows = [{"prompt_ids": [1] * p, "chosen_ids": [2] * c, "rejected_ids": [3] * r} for p, c, r in lengths]
     return add_locations(datasets.Dataset.from_list(rows), "train_file='pairs.jsonl'", "line")
@@ -331,8 +331,8 @@ def _prepared(lengths: list[tuple[int, int, int]]):
     ("truncate", 3, {"prompt fills max_seq_length=10": 1}),
 ])
 def test_overlength_applies_to_the_tokenised_pairs(overlength, kept, skipped):
-    from hf_lisa.train.data import TokenizationReport
-    from hf_lisa.train.preference import apply_length_policy
+    from hf_lisa.data.pipeline import TokenizationReport
+    from hf_lisa.data.preference import apply_length_policy
 
     given = _prepared([(4, 3, 2), (4, 8, 2), (12, 1, 1), (2, 8, 8)])  # line 2 too long; TRL dropped line 3
     prepared = given.select([0, 1, 3])

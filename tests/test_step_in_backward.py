@@ -15,7 +15,8 @@ from hf_lisa import cli
 from hf_lisa.errors import UsageError
 from hf_lisa.optim.state import optimizer_state_bytes
 from hf_lisa.optim.in_backward import AdamWInBackward, steps_in_backward
-from hf_lisa.train import LisaTrainer, parse_args
+from hf_lisa.train import parse_args
+from hf_lisa.trainer import LisaTrainer
 from hf_lisa.optim.memory import check_step_in_backward
 from hf_lisa.trainer_callbacks import LisaCallback
 from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback

@@ -14,7 +14,8 @@ bnb = pytest.importorskip("bitsandbytes")
 from hf_lisa.errors import UsageError  # noqa: E402
 from hf_lisa.optim.in_backward import steps_in_backward  # noqa: E402
 from hf_lisa.optim.adamw_8bit import AdamW8bitInBackward, SlicedAdamW8bit  # noqa: E402
-from hf_lisa.train import LisaTrainer, parse_args  # noqa: E402
+from hf_lisa.train import parse_args  # noqa: E402
+from hf_lisa.trainer import LisaTrainer  # noqa: E402
 from hf_lisa.trainer_callbacks import LisaCallback  # noqa: E402
 
 VOCAB = 256  # a 256 x 32 embedding: 8192 values, over bitsandbytes' min_8bit_size (4096), so its state can be 8-bit

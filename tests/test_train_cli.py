@@ -16,7 +16,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 import hf_lisa  # noqa: F401  (registers LISA with PEFT for the reloads)
 from hf_lisa import cli
 from hf_lisa.train import METHOD_NAMES as METHODS, main, parse_args
-from hf_lisa.train.arguments import lisa_config_kwargs
+from hf_lisa.train.parsing.arguments import lisa_config_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -406,7 +406,7 @@ def test_lora_trains_every_linear_layer_and_says_so_at_the_start(tiny, tmp_path,
 @pytest.mark.parametrize("method", ["lisa", "lora", "full"])
 def test_dpo_defaults_to_trls_dpo_learning_rate_and_a_typed_rate_decides(method):
     """Issue 37: `--stage dpo` trained at the SFT rates (1e-4 / 5e-4), 100-500x TRL's DPO default of 1e-6."""
-    from hf_lisa.train.arguments import DPO_LEARNING_RATE
+    from hf_lisa.train.parsing.arguments import DPO_LEARNING_RATE
 
     _, _, _, training_args = parse_args(["--method", method, "--stage", "dpo", "--output_dir", "o"])
     assert training_args.learning_rate == DPO_LEARNING_RATE == 1e-6

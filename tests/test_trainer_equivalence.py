@@ -40,7 +40,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 import hf_lisa
-from hf_lisa.train import LisaTrainer
+from hf_lisa.trainer import LisaTrainer
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, LisaCallback, prepare_trainer
 
 pytestmark = [

@@ -16,7 +16,7 @@ import pytest
 from transformers import Trainer
 from transformers.integrations import TensorBoardCallback
 
-from hf_lisa.train import LisaTrainer
+from hf_lisa.trainer import LisaTrainer
 from hf_lisa.trainer_callbacks import LisaCallback, TrainingProgressGuard, prepare_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

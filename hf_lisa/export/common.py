@@ -208,7 +208,7 @@ def staged_directory(out_dir: str, written_by: str = "hf-lisa export", overwrite
     An existing ``out_dir`` is replaced only then, after a second look at it once it is moved aside: a non-empty one
     without ``overwrite``, or one holding anything no export wrote (written there while the export ran), is put back
     as it was and the export refused (:class:`UsageError`)."""
-    from ..train.output_dir import STAGING_PREFIX, fsync_tree  # the training outputs' staging name and flush
+    from ..train.run_folder.output_dir import STAGING_PREFIX, fsync_tree  # the training outputs' staging name and flush
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
@@ -263,7 +263,7 @@ def staged_file(out_file: str, before_replace: Optional[Callable[[], None]] = No
     """A hidden sibling path of ``out_file`` (same suffix) to write to; renamed to ``out_file`` (its mode following
     the umask) when the block completes, removed when it raises. ``before_replace`` runs just before the rename and
     may refuse it by raising (e.g. :func:`check_output_path` again: the target may have changed meanwhile)."""
-    from ..train.output_dir import STAGING_PREFIX
+    from ..train.run_folder.output_dir import STAGING_PREFIX
 
     out_file = os.path.abspath(out_file)
     parent = os.path.dirname(out_file)

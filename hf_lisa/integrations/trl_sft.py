@@ -30,8 +30,8 @@ from typing import Any, Optional, Sequence
 
 from ..errors import UsageError
 from ..methods import FULL_LISA, LISA_ADAPTER
-from ..train.arguments import LisaArguments, lisa_config_kwargs
-from ..train.options import LISA_CONFIG_OPTIONS, uses
+from ..train.parsing.arguments import LisaArguments, lisa_config_kwargs
+from ..train.parsing.options import LISA_CONFIG_OPTIONS, uses
 from ..tuner.peft_type import PEFT_TYPE_LISA
 from .settings import FULL_LISA_SETTINGS, check_settings, full_parameter_callback
 

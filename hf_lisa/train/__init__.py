@@ -30,29 +30,27 @@ Example (Python):
     ```
 
 
-The package, in the order a run uses it:
+The application, in the order a run uses it (its library face is :mod:`hf_lisa.trainer`, its data
+:mod:`hf_lisa.data`):
 
-* :mod:`.arguments`: the option dataclasses, command line over a YAML/JSON file (:mod:`.config_file`), the
-  cross-checks;
-* :mod:`.output_dir`: what ``--output_dir`` may be, and ``--resume_from_checkpoint latest``;
+* :mod:`.parsing`: the option dataclasses, command line over a YAML/JSON file, the cross-checks;
+* :mod:`.run_folder`: what ``--output_dir`` may be, ``--resume_from_checkpoint latest``, one run per folder;
 * :mod:`.preflight`: the model's ``config.json`` and a ``meta``-device model checked before any weights load;
-* :mod:`.validation`, :mod:`.data`: training files checked line by line, then tokenised rows (prompt/completion,
-  chat messages, plain text);
-* :mod:`.methods`: model loading and the ``--method`` wrapping;
+* :mod:`hf_lisa.data`: training files checked line by line, then tokenised rows (prompt/completion, chat messages,
+  plain text), preference pairs for ``--stage dpo``;
+* :mod:`.methods`, :mod:`.quantization`: model loading and the ``--method`` wrapping;
 * the ``Trainer``: the library face's :class:`hf_lisa.trainer.LisaTrainer` (layer-wise learning-rate decay, atomic
-  checkpoints), its settings parsed into :class:`~.output_dir.RunTrainingArguments`, a
-  :class:`hf_lisa.trainer.LisaTrainingArguments`;
-* :mod:`.preference`, :mod:`.dpo`: ``--stage dpo``, preference rows through TRL's ``DPOTrainer`` with the same
-  guarantees;
+  checkpoints), its settings parsed into :class:`~.run_folder.output_dir.RunTrainingArguments`, a
+  :class:`hf_lisa.trainer.LisaTrainingArguments`; :mod:`.dpo`: ``--stage dpo`` through TRL's ``DPOTrainer``;
 * :mod:`.evaluation`: token metrics and generation exact match;
-* :mod:`.outputs`: summary, loss plot, final model (staged, then renamed into place), model card;
+* :mod:`.outputs`, :mod:`.console`: summary, loss plot, final model (staged, then renamed into place), model card;
 * :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` goes through ``hf_lisa.cli.main`` (one error
   policy: a one-line message, exit status 2 for usage errors, 1 at runtime, 130 on Ctrl-C; ``--debug`` for the
   traceback)."""
 
 from __future__ import annotations
 
-from .arguments import (
+from .parsing.arguments import (
     ADAPTER_METHODS,
     ARGUMENT_CLASSES,
     METHOD_NAMES,
@@ -67,7 +65,6 @@ from .evaluation import compute_metrics, generation_exact_match, generation_rows
 from .methods import apply_method, load_model_and_tokenizer, resolve_model_path
 from .outputs import TRAINING_SUMMARY_NAME, save_final_model, trainable_summary
 from .run import main, run
-from ..trainer import LisaTrainer
 
 __all__ = [
     "ADAPTER_METHODS",
@@ -77,7 +74,6 @@ __all__ = [
     "TRAINING_SUMMARY_NAME",
     "DataArguments",
     "LisaArguments",
-    "LisaTrainer",
     "ModelArguments",
     "apply_method",
     "compute_metrics",

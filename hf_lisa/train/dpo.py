@@ -28,9 +28,9 @@ from torch import nn
 from ..errors import UsageError
 from ..methods import get_method
 from ..trainer.trl_dpo import LisaDPOConfig, LisaDPOTrainer
-from .output_dir import RunTrainingArguments
-from .preference import apply_length_policy, hold_out_after_skipping
-from .validation import LINE_COLUMN
+from .run_folder.output_dir import RunTrainingArguments
+from ..data.preference import apply_length_policy, hold_out_after_skipping
+from ..data.validation import LINE_COLUMN
 
 logger = logging.getLogger("hf_lisa.train")
 

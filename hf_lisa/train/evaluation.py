@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .arguments import DataArguments
+from .parsing.arguments import DataArguments
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -104,13 +104,13 @@ def generation_rows(raw_validation, data_format: str, data_args: DataArguments, 
                     chat: bool = True) -> list[dict]:
     """``[{"messages": [...] or "prompt": str, "reference": str}]`` for up to ``limit`` validation rows.
 
-    Rows that training would skip (see :func:`hf_lisa.train.formats.check_row`) are skipped here too, so a
+    Rows that training would skip (see :func:`hf_lisa.data.formats.check_row`) are skipped here too, so a
     malformed validation row never reaches generation. Alpaca and ShareGPT rows are prompted as training renders them
-    (:func:`hf_lisa.train.formats.canonical_row`; ``chat``: whether a chat template is used): the last assistant turn
+    (:func:`hf_lisa.data.formats.canonical_row`; ``chat``: whether a chat template is used): the last assistant turn
     (Alpaca's output) is the reference.
     """
-    from .formats import CONVERTED_FORMATS, canonical_row, check_row
-    from .validation import Columns
+    from ..data.formats import CONVERTED_FORMATS, canonical_row, check_row
+    from ..data.validation import Columns
 
     given = Columns(data_args.prompt_column, data_args.completion_column, data_args.messages_column,
                     data_args.text_column)

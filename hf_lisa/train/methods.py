@@ -1,7 +1,7 @@
 """Load the model and wrap it for the chosen ``--method``, as the registry (:mod:`hf_lisa.methods`) describes it:
 full-parameter LISA gets ``LisaCallback``, a LISA adapter ``LisaConfig`` + ``LisaAdapterCallback``, a LoRA-type
 adapter PEFT's ``LoraConfig``, and a method that trains the base weights without a schedule nothing. Which option
-each method uses is :data:`hf_lisa.train.options.OPTION_METHODS`."""
+each method uses is :data:`hf_lisa.train.parsing.options.OPTION_METHODS`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..methods import get_method, schedules_anything
-from .arguments import LisaArguments, ModelArguments, lisa_config_kwargs
-from .options import LORA_CONFIG_NAMES, uses
+from .parsing.arguments import LisaArguments, ModelArguments, lisa_config_kwargs
+from .parsing.options import LORA_CONFIG_NAMES, uses
 from .quantization import bnb_config
 
 logger = logging.getLogger("hf_lisa.train")

@@ -1,5 +1,5 @@
 """What a run leaves behind: the start-of-training lines, the loss plot, the final model, its summary and model card,
-each recorded in ``output_dir``'s manifest (:func:`~hf_lisa.train.output_dir.record_outputs`) with the checkpoints."""
+each recorded in ``output_dir``'s manifest (:func:`~hf_lisa.train.run_folder.output_dir.record_outputs`) with the checkpoints."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import RunError
 from ..hub.summary import TRAINING_SUMMARY_NAME, TrainingSummary, jsonable
-from .output_dir import (MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches, record_outputs,
+from .run_folder.output_dir import (MODEL_FILE_PATTERNS, STAGING_PREFIX, WEIGHT_PATTERNS, fsync_tree, matches, record_outputs,
                          remove_checkpoints, split_owned)
 from .quantization import parameter_count
 
@@ -94,8 +94,8 @@ def never_trained(model: nn.Module, schedules: Sequence) -> list[str]:
 
 def held_out_rows(raw) -> int:
     """How many rows of train ``raw["validation"]`` holds when it was split from train (the same source, as
-    :func:`~hf_lisa.train.validation.source_of` reads it from the line numbers), else 0."""
-    from .validation import source_of
+    :func:`~hf_lisa.data.validation.source_of` reads it from the line numbers), else 0."""
+    from ..data.validation import source_of
 
     if "validation" not in raw or source_of(raw["validation"]) != source_of(raw["train"]):
         return 0
@@ -311,8 +311,8 @@ def _weight_rank(name: str) -> int:
 def publish_model_files(staging: str, output_dir: str) -> None:
     """Move the files of the complete model in ``staging`` into ``output_dir`` in place of the model there.
 
-    The previous model's files (:data:`~hf_lisa.train.output_dir.MODEL_FILE_PATTERNS`, only those an hf-lisa run
-    wrote: :func:`~hf_lisa.train.output_dir.split_owned`) go first, shard indexes and weights before the rest, so
+    The previous model's files (:data:`~hf_lisa.train.run_folder.output_dir.MODEL_FILE_PATTERNS`, only those an hf-lisa run
+    wrote: :func:`~hf_lisa.train.run_folder.output_dir.split_owned`) go first, shard indexes and weights before the rest, so
     that a lisa run's ``model.safetensors`` never stays beside a later adapter; then the new files arrive, weights last
     and shard indexes after their shards. Every step is a rename on one file system: a kill in between leaves a folder
     that no loader takes for a model, never a mix of two models or half of one. The manifest lists the new files

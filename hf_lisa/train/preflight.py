@@ -25,7 +25,7 @@ import warnings
 
 from ..errors import UsageError
 from ..methods import get_method
-from .arguments import LisaArguments, ModelArguments
+from .parsing.arguments import LisaArguments, ModelArguments
 from .methods import apply_method, resolve_model_path
 
 logger = logging.getLogger("hf_lisa.train")

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import WHILE_RUNNING
 from ..methods import get_method
-from .arguments import DataArguments, LisaArguments, ModelArguments, parse_args
+from .parsing.arguments import DataArguments, LisaArguments, ModelArguments, parse_args
 from .console import use_compact_console
 from .evaluation import (
     _metrics_line,
@@ -37,10 +37,10 @@ from .outputs import (
     write_error,
     write_model_card,
 )
-from .output_dir import MANIFEST_NAME, check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
-from .preference import DPO, DPO_EVAL_METRICS, SFT
+from .run_folder.output_dir import MANIFEST_NAME, check_output_dir, checkpoint_step, claim_output_dir, clear_previous_run
+from ..data.preference import DPO, DPO_EVAL_METRICS, SFT
 from .preflight import check_before_loading
-from .run_lock import OutputDirLock
+from .run_folder.run_lock import OutputDirLock
 from .quantization import prepare_quantized_model
 from ..trainer import LisaTrainer
 
@@ -145,16 +145,16 @@ def _finished_checkpoint(training_args) -> Optional[dict]:
 
 def _load_data(model_args, data_args, training_args, stage: str = SFT):
     """``(training data, whether the bundled task is used, rows of train held out for evaluation)``: loaded,
-    subsampled and checked before the model loads. The data is a :class:`~hf_lisa.train.training_data.TrainingData`
+    subsampled and checked before the model loads. The data is a :class:`~hf_lisa.data.training_data.TrainingData`
     (files, folders, a dataset, weighted mixtures), or for ``--stage dpo`` its one source's ``DatasetDict``."""
-    from . import data as data_lib
+    from .. import data as data_lib
     from .. import demo_task
-    from .mixing import check_resumed_mixture, mixture_settings
-    from .training_data import load_training_data
+    from ..data.mixing import check_resumed_mixture, mixture_settings
+    from ..data.training_data import load_training_data
 
     bundled = data_args.train_file is None and data_args.dataset_name is None
     if bundled and stage == DPO:
-        from .preference import refuse_bundled_task
+        from ..data.preference import refuse_bundled_task
 
         refuse_bundled_task()  # prompt/completion rows: no preference pairs
     if bundled:
@@ -171,9 +171,9 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
     raw = load_training_data(data_args, seed=training_args.seed, cache_dir=model_args.cache_dir)
     check_resumed_mixture(training_args.resume_from_checkpoint, mixture_settings(raw))  # the checkpoint's mixture
     held_out = raw.held_out  # before --max_eval_samples: what training never sees
-    if stage == DPO:  # preference rows: their columns, before the model loads (hf_lisa.train.preference)
+    if stage == DPO:  # preference rows: their columns, before the model loads (hf_lisa.data.preference)
         raw = raw.as_raw(f"--stage {DPO}")  # one source's rows (TRL tokenises them)
-        from .preference import check_preference_data
+        from ..data.preference import check_preference_data
 
         check_preference_data(raw, data_args)
         return raw, bundled, held_out
@@ -182,7 +182,7 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
         part, data_args.max_seq_length, data_format=data_args.data_format, overlength=data_args.overlength,
         on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
             data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
-    ))  # each source on its own (hf_lisa.train.training_data)
+    ))  # each source on its own (hf_lisa.data.training_data)
     return raw, bundled, held_out
 
 
@@ -199,7 +199,7 @@ class _Run:
 
     def build(self) -> None:
         """Load the model and tokenizer, tokenize, wrap the model for the method, build the ``LisaTrainer``."""
-        from . import data as data_lib
+        from .. import data as data_lib
 
         model_args, data_args, lisa_args, training_args = (self.model_args, self.data_args, self.lisa_args,
                                                            self.training_args)
@@ -220,8 +220,8 @@ class _Run:
         self.chat = data_lib.use_chat_template(self.tokenizer, data_args.chat_template)
         model = prepare_quantized_model(model, training_args)  # a bitsandbytes base: PEFT's k-bit preparation
         self.collator, self.packing = data_lib.data_collator(self.tokenizer), None
-        if data_args.packing:  # train rows side by side, checked on this model first (hf_lisa.train.packing)
-            from .packing import prepare_packing
+        if data_args.packing:  # train rows side by side, checked on this model first (hf_lisa.data.packing)
+            from ..data.packing import prepare_packing
 
             tokenized, self.collator, self.packing = prepare_packing(
                 tokenized, model, self.tokenizer, data_args.max_seq_length, training_args.seed, self.collator)
@@ -240,9 +240,9 @@ class _Run:
     def _build_preference(self, model) -> None:
         """``--stage dpo``: the rows checked and converted (TRL's ``DPOTrainer`` tokenises them), the reference model
         (a frozen copy of the loaded model for the methods that train its weights), the method, the trainer; no
-        generation exact match (:mod:`hf_lisa.train.preference`, :mod:`hf_lisa.train.dpo`)."""
+        generation exact match (:mod:`hf_lisa.data.preference`, :mod:`hf_lisa.train.dpo`)."""
         from .dpo import reference_model
-        from .preference import preference_datasets
+        from ..data.preference import preference_datasets
 
         data_args, lisa_args, training_args = self.data_args, self.lisa_args, self.training_args
         with training_args.main_process_first(desc="checking the preference rows"):
@@ -258,7 +258,7 @@ class _Run:
     def _trainer(self, model, tokenized, scheduling_callbacks) -> LisaTrainer:
         """The ``LisaTrainer`` with the scheduling, summary and monitoring callbacks, prepared for DDP."""
         from ..distributed import configure_trainer_for_lisa
-        from .mixing import mixture_record_callback, mixture_settings
+        from ..data.mixing import mixture_record_callback, mixture_settings
         from hf_lisa.trainer_callbacks.monitoring import TrainingMonitorCallback
 
         lisa_args, training_args = self.lisa_args, self.training_args

@@ -1,5 +1,5 @@
 """Saves that exist only once complete: what :class:`~hf_lisa.trainer.LisaTrainer` writes a checkpoint through, and
-what ``hf-lisa train``'s output-folder safety (:mod:`hf_lisa.train.output_dir`) recognises as unfinished.
+what ``hf-lisa train``'s output-folder safety (:mod:`hf_lisa.train.run_folder.output_dir`) recognises as unfinished.
 
 A save is written into a hidden staging folder named with :data:`STAGING_PREFIX`, flushed with :func:`fsync_tree`,
 and renamed into place; ``transformers.trainer_utils.get_last_checkpoint`` never matches a staging folder.

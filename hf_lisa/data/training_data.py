@@ -18,7 +18,7 @@ of the uninterrupted one.
 
 Example:
     ```py
-    >>> from hf_lisa.train.training_data import load_training_data
+    >>> from hf_lisa.data.training_data import load_training_data
     >>> data = load_training_data(train_file="a.jsonl:0.7,b.jsonl:0.3", seed=42)  # doctest: +SKIP
     >>> data.check(lambda raw: check_data(raw, 512))  # doctest: +SKIP
     >>> tokenized, report = data.tokenize(lambda raw: tokenize_datasets(raw, tokenizer, 512))  # doctest: +SKIP
@@ -111,7 +111,7 @@ def _hold_out(datasets_: list, percentage: float, seed: int, label: str) -> tupl
 
 def _folder_parts(spec: SourceSpec, split: str, cache_dir: Optional[str]) -> list[dict]:
     """One part per file of the folder (or the file) ``spec``, its rows under ``split``."""
-    from .data import load_file
+    from .pipeline import load_file
 
     files = folder_files(spec.path, spec.option) if os.path.isdir(spec.path) else [spec.path]
     return [{split: load_file(path, spec.option, cache_dir, line_numbers=True)} for path in files]
@@ -134,7 +134,7 @@ def load_training_data(data_args=None, *, seed: int = 42, cache_dir: Optional[st
         FileNotFoundError, DataError, UsageError: a missing, empty or unsupported file, a folder that is empty or mixes
             file formats, a dataset or split that cannot be loaded, a bad source spec; each names the option and path.
     """
-    from .data import load_raw_datasets
+    from .pipeline import load_raw_datasets
 
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:

@@ -1,4 +1,4 @@
-"""Alpaca and ShareGPT rows: their checks, and their conversion to the rows :mod:`hf_lisa.train.data` tokenises.
+"""Alpaca and ShareGPT rows: their checks, and their conversion to the rows :mod:`hf_lisa.data.pipeline` tokenises.
 
 * **Alpaca** (``instruction`` and ``output``; optional ``input`` and ``system``). With a chat template: an optional
   system turn, a user turn (the instruction, then the input after a blank line when it is not empty) and the output as

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional, Sequence
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 #: (option, the dataclass it lives in, test, what is allowed); ``None`` values mean "not set" and pass
 BOUNDS: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (

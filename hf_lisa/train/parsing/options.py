@@ -16,9 +16,9 @@ import dataclasses
 import textwrap
 from typing import Any, Collection, Optional
 
-from ..errors import UsageError
-from ..methods import METHODS, Method, method_defaults, method_names
-from ..tuner.config import lisa_config_fields
+from ...errors import UsageError
+from ...methods import METHODS, Method, method_defaults, method_names
+from ...tuner.config import lisa_config_fields
 
 #: LisaConfig fields that are not options of ``hf-lisa train``, and why
 _NOT_OPTIONS = {"fan_in_fan_out": "set automatically for Conv1D targets", "init_weights": "False is for tests only"}
@@ -113,7 +113,7 @@ def check_method_options(lisa_args, typed: Optional[Collection[str]] = None, tra
     method = lisa_args.method
     given = given_options(lisa_args, typed)
     if training_args is not None:  # LisaTrainer's settings, fields of the run's LisaTrainingArguments
-        from ..trainer.training_args import TRAINER_OPTIONS
+        from ...trainer.training_args import TRAINER_OPTIONS
 
         given.update({name: getattr(training_args, name) for name, default in TRAINER_OPTIONS.items()
                       if name in OPTION_METHODS and (name in typed if typed is not None

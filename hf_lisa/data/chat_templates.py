@@ -5,7 +5,7 @@ A named or file template replaces ``tokenizer.chat_template`` before tokenisatio
 generation metric prompts with it, and ``save_pretrained`` writes it next to the adapter and into every checkpoint
 (``chat_template.jinja``): the model is served with the template it was trained on.
 
-Every built-in is written for the loss masks of :mod:`hf_lisa.train.data`, which render a conversation one message at a
+Every built-in is written for the loss masks of :mod:`hf_lisa.data.pipeline`, which render a conversation one message at a
 time and need each rendering to be a prefix of the next ("incremental"):
 
 * a message renders the same whatever follows it (no look-ahead: consecutive tool results are separate turns, a
@@ -19,7 +19,7 @@ Llama 3, a ``<tool_response>`` user turn for Qwen 2.5, a user turn for Gemma).
 
 Example:
     ```py
-    >>> from hf_lisa.train.chat_templates import install_chat_template
+    >>> from hf_lisa.data.chat_templates import install_chat_template
     >>> install_chat_template(tokenizer, "chatml")  # doctest: +SKIP
     True
     ```
@@ -183,7 +183,7 @@ def _parse_jinja(text: str, label: str) -> None:
 
 
 def _read_template_file(path: str, label: str) -> str:
-    from .config_file import read_user_file
+    from .files import read_user_file
 
     if not os.path.exists(path):
         raise UsageError(f"{label}: no such file; {_allowed()}.")

@@ -1,6 +1,6 @@
 """A ``hf-lisa train`` config file (YAML or JSON): read it, and type its values as the command line would.
 
-The file's values become the defaults of ``hf-lisa train``'s parser (:func:`hf_lisa.train.arguments.build_parser`),
+The file's values become the defaults of ``hf-lisa train``'s parser (:func:`hf_lisa.train.parsing.arguments.build_parser`),
 so they must have the types the command line gives: ``max_steps: [5]`` or ``learning_rate: fast`` is refused here,
 naming the file, the option and what it takes, instead of failing inside the Trainer.
 """
@@ -12,12 +12,13 @@ import json
 import os
 from typing import Any, Mapping
 
-from ..errors import UsageError
+from ...data.files import read_user_file
+from ...errors import UsageError
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 #: the largest config file read (a config of every option is a few KiB)
 CONFIG_FILE_LIMIT = 4 * 2**20
-#: options that take a YAML list of sources, ``[{path: a.jsonl, weight: 0.7}, b.jsonl]`` (:mod:`.sources`)
+#: options that take a YAML list of sources, ``[{path: a.jsonl, weight: 0.7}, b.jsonl]`` (:mod:`hf_lisa.data.sources`)
 SOURCE_LIST_OPTIONS = ("train_file",)
 
 
@@ -60,52 +61,6 @@ def load_config_file(path: str) -> dict:
     return config
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB" if n >= 2**10 else f"{n} bytes"
-
-
-def read_user_file(path: str, label: str, limit: int, expected: str) -> bytes:
-    """The bytes of the file ``path`` that the user named (``label`` names it in messages: the option and the path),
-    read once and bounded: a FIFO, a device or a folder is refused before it is read (``/dev/zero`` or a FIFO would
-    never end), and so is a file of more than ``limit`` bytes.
-
-    Raises:
-        UsageError: naming ``label``, what it is and ``expected`` (what to pass instead).
-    """
-    import stat
-
-    try:  # O_NONBLOCK: opening a FIFO returns at once, and the fd's own stat decides (no race with a stat before)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except IsADirectoryError:
-        raise UsageError(f"{label} is a directory; expected {expected}.") from None
-    except OSError as err:
-        raise UsageError(f"{label} cannot be read ({err.strerror or err}); expected {expected}.") from None
-    try:
-        mode, size = os.fstat(fd)[stat.ST_MODE], os.fstat(fd)[stat.ST_SIZE]
-        if stat.S_ISDIR(mode):
-            raise UsageError(f"{label} is a directory; expected {expected}.")
-        if not stat.S_ISREG(mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-            raise UsageError(f"{label} is {kind}, not a regular file; expected {expected}.")
-        if size > limit:
-            raise UsageError(f"{label} is {_size(size)}, more than the {_size(limit)} such a file may hold; "
-                             f"expected {expected}.")
-        chunks, left = [], limit + 1  # bounded even if the file grows while it is read
-        while left > 0:
-            chunk = os.read(fd, min(left, 2**20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise UsageError(f"{label} holds more than the {_size(limit)} such a file may hold; expected {expected}.")
-    return data
-
-
 def _yaml_problem(err) -> str:
     """PyYAML's error as ``line L, column C: problem (context, which starts at line L', column C')``."""
     mark, context_mark = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
@@ -144,7 +99,7 @@ def _scalar(action: argparse.Action, name: str, value: Any, source: str) -> Any:
 def _source_list(name: str, value: Any, source: str) -> list:
     """A YAML list of sources, checked as ``--train_file`` checks its value (:func:`.sources.parse_sources`), kept as
     written (``training_summary.json`` records it so)."""
-    from .sources import parse_sources
+    from ...data.sources import parse_sources
 
     try:
         parse_sources(value, option=name)

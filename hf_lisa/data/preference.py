@@ -92,7 +92,7 @@ def _given(args, name: str, typed=None) -> bool:
 
 def check_stage_options(data_args, lisa_args, training_args=None, typed=None) -> None:
     """Refuse the options that ``--stage`` does not use (given: :func:`_given`), naming each with why (a
-    ``UsageError``); run by :func:`hf_lisa.train.arguments.validate_args`."""
+    ``UsageError``); run by :func:`hf_lisa.train.parsing.arguments.validate_args`."""
     stage = lisa_args.stage
     if stage not in STAGES:
         raise UsageError(f"--stage={stage!r} is invalid; allowed: {', '.join(STAGES)}.")
@@ -312,7 +312,7 @@ def preference_datasets(raw, tokenizer, data_args, held_out: int = 0):
     """
     import datasets
 
-    from .data import TokenizationReport, use_chat_template
+    from .pipeline import TokenizationReport, use_chat_template
 
     form = check_preference_data(raw, data_args)
     chat = use_chat_template(tokenizer, data_args.chat_template)

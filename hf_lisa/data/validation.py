@@ -16,7 +16,7 @@
   problem has a short *reason* (what the skip counts are keyed by) and a *detail* (what the error under
   ``on_bad_row="error"`` says about the row).
 
-``hf_lisa.train.data`` reads the files, calls these checks and tokenises.
+``hf_lisa.data.pipeline`` reads the files, calls these checks and tokenises.
 """
 
 from __future__ import annotations
@@ -413,7 +413,7 @@ def _check_messages(messages: Any, column: str) -> BadRow | None:
 
 def check_row(row: dict, data_format: str, columns: Columns) -> BadRow | None:
     """Why ``row`` cannot be trained on as ``data_format`` (a native format), or None when it can; Alpaca and ShareGPT
-    rows: :func:`hf_lisa.train.formats.check_row`, which calls this for the others.
+    rows: :func:`hf_lisa.data.formats.check_row`, which calls this for the others.
 
     Every field the format uses must be a non-empty string; chat messages must be objects with a role in ``ROLES`` and
     non-empty string content, and at least one turn must be the assistant's.

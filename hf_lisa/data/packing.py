@@ -40,7 +40,7 @@ compare with an unpacked run. The validation split is small, and stays one padde
 
 Example:
     ```py
-    >>> from hf_lisa.train.packing import pack_rows
+    >>> from hf_lisa.data.packing import pack_rows
     >>> pack_rows([5, 3, 2, 4], max_seq_length=7, seed=0)  # rows 0+1 (8 tokens) cannot share a sequence
     [[3, 1], [0, 2]]
     ```
@@ -169,7 +169,7 @@ def uses_flash_attention(model) -> bool:
 
 class PackedCollator:
     """Batches of packed sequences (rows with ``position_ids``) for the model, and unpacked rows (the evaluation
-    split, with an ``attention_mask``) as :func:`hf_lisa.train.data.data_collator` pads them.
+    split, with an ``attention_mask``) as :func:`hf_lisa.data.pipeline.data_collator` pads them.
 
     Packed, the batch has ``input_ids``, ``labels``, ``position_ids`` and ``use_cache=False``, and no
     ``attention_mask``:
@@ -181,7 +181,7 @@ class PackedCollator:
 
     Example:
         ```py
-        >>> from hf_lisa.train.packing import PackedCollator, pack_features
+        >>> from hf_lisa.data.packing import PackedCollator, pack_features
         >>> collate = PackedCollator(pad_token_id=0)
         >>> pack = pack_features([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}])
         >>> batch = collate([pack, pack_features([{"input_ids": [4], "labels": [4]}])])

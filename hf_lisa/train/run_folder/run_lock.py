@@ -5,7 +5,7 @@ an exclusive ``flock`` on :data:`LOCK_NAME` in ``--output_dir`` before the folde
 ``run()`` returns or raises; a second run is refused with exit status 2, naming the first (pid, host, start time).
 
 The lock comes first: the folder's content (empty, a run to resume or overwrite) is checked under it
-(:func:`~hf_lisa.train.output_dir.check_output_dir`), so that no other run can write between the check and this run's
+(:func:`~hf_lisa.train.run_folder.output_dir.check_output_dir`), so that no other run can write between the check and this run's
 first write (issue 33). Taking it writes the lock file, which is also the real test that ``--output_dir`` can be written
 (a read-only or full file system is refused there, before any weight loads). A run that fails leaves no folder that its
 lock created, provided it holds nothing but the lock and the run's own bookkeeping.
@@ -26,7 +26,7 @@ import time
 from datetime import datetime
 from typing import Optional
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 try:
     import fcntl

@@ -13,7 +13,7 @@
   plot and card, each ``checkpoint-N`` (before it is written) and ``runs/``. ``--overwrite_output_dir`` removes or
   replaces only those, and refuses a folder that holds anything else unless ``--delete_foreign_files`` is given
   (:func:`split_owned`; a folder from before the manifest is judged by the names a run writes).
-* One run per folder at a time: :class:`~hf_lisa.train.run_lock.OutputDirLock`, taken by :func:`check_output_dir`
+* One run per folder at a time: :class:`~hf_lisa.train.run_folder.run_lock.OutputDirLock`, taken by :func:`check_output_dir`
   before it looks at what the folder holds, so that no other run writes between the check and this run's writes.
 """
 
@@ -31,13 +31,13 @@ from typing import Optional
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..errors import UsageError
-from ..hub.summary import TRAINING_SUMMARY_NAME
-from ..methods import FULL, METHODS, method_of_adapter, schedules_anything
-from ..scheduler.state import LISA_STATE_FILE
-from ..trainer_callbacks.state import stored_schedule_settings
-from ..trainer import LisaTrainingArguments
-from ..trainer.atomic import STAGING_PREFIX, fsync_tree
+from ...errors import UsageError
+from ...hub.summary import TRAINING_SUMMARY_NAME
+from ...methods import FULL, METHODS, method_of_adapter, schedules_anything
+from ...scheduler.state import LISA_STATE_FILE
+from ...trainer_callbacks.state import stored_schedule_settings
+from ...trainer import LisaTrainingArguments
+from ...trainer.atomic import STAGING_PREFIX, fsync_tree
 from .run_lock import LOCK_NAME, OutputDirLock, check_not_in_use
 
 logger = logging.getLogger("hf_lisa.train")

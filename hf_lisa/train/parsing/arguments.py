@@ -14,20 +14,20 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..errors import UsageError
-from ..option_aliases import canonical_argv, canonical_keys, help_note
-from ..option_names import name_hint
-from ..methods import DEFAULT_METHOD, FULL_LISA, LISA_ADAPTER, METHODS, get_method, method_names
-from ..scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
-from ..tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
+from ...errors import UsageError
+from ...option_aliases import canonical_argv, canonical_keys, help_note
+from ...option_names import name_hint
+from ...methods import DEFAULT_METHOD, FULL_LISA, LISA_ADAPTER, METHODS, get_method, method_names
+from ...scheduler.layerwise import DEFAULT_ALWAYS_TRAINABLE
+from ...tuner.config import LisaConfig, check_lisa_settings, lisa_config_fields
 from .bounds import attach_negative_values, check_bounds, check_deepspeed_file
 from .config_file import CONFIG_SUFFIXES, load_config_file, typed_file_values
 from .data_arguments import DataArguments, check_data_arguments
-from .preference import check_stage_options
-from ..optim.memory import check_memory_options
+from ...data.preference import check_stage_options
+from ...optim.memory import check_memory_options
 from .options import (_NOT_OPTIONS, LISA_CONFIG_OPTIONS, HelpFormatter, check_method_options, group_help,
                       resolve_method_defaults, uses)
-from .quantization import check_quantization, quantization_fields
+from ..quantization import check_quantization, quantization_fields
 
 logger = logging.getLogger("hf_lisa.train")
 
@@ -258,7 +258,7 @@ ARGUMENT_CLASSES = (ModelArguments, DataArguments, LisaArguments)
 # Parsing: a YAML/JSON file's values become the parser's defaults, so the command line wins
 # ----------------------------------------------------------------------------------------------------------------------
 def _argument_classes():
-    from .output_dir import RunTrainingArguments  # TrainingArguments, LisaTrainer's settings, --overwrite_output_dir
+    from ..run_folder.output_dir import RunTrainingArguments  # TrainingArguments, LisaTrainer's settings, --overwrite_output_dir
 
     return (*ARGUMENT_CLASSES, RunTrainingArguments)
 
@@ -440,7 +440,7 @@ def validate_args(model_args, data_args, lisa_args, training_args, typed: Option
         lisa_args.monitor_plateau_steps >= 1 and lisa_args.monitor_block_groups >= 1,
         "--monitor_plateau_steps and --monitor_block_groups must be >= 1.",
     )
-    from ..distributed import ddp_kwargs_for_lisa
+    from ...distributed import ddp_kwargs_for_lisa
 
     ddp_kwargs_for_lisa(lisa_args.ddp_comm_hook, lisa_args.powersgd_rank, lisa_args.powersgd_start_iter)  # validates
     if training_args.push_to_hub:
@@ -448,10 +448,10 @@ def validate_args(model_args, data_args, lisa_args, training_args, typed: Option
             bool(training_args.hub_model_id),
             "--push_to_hub needs --hub_model_id 'namespace/name' (the repo the model goes to).",
         )
-        from ..hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
+        from ...hub.push import check_push_base  # an adapter on a local base needs --base_model_id: refused now
         check_push_base(model_args, lisa_args)
-    check_stage_options(data_args, lisa_args, training_args, typed)  # hf_lisa.train.preference: what --stage refuses
-    check_data_arguments(data_args)  # hf_lisa.train.data_arguments: formats, sources, templates, packing
+    check_stage_options(data_args, lisa_args, training_args, typed)  # hf_lisa.data.preference: what --stage refuses
+    check_data_arguments(data_args)  # hf_lisa.train.parsing.data_arguments: formats, sources, templates, packing
     if data_args.train_file is None and data_args.validation_file is not None:
         raise UsageError("--validation_file needs --train_file.")
     if data_args.eval_generation_samples is not None:

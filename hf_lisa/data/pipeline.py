@@ -30,7 +30,7 @@ Bad data, and what happens to it (also in ``docs/training.md``; the checks live 
 
 Example:
     ```py
-    >>> from hf_lisa.train.data import load_raw_datasets, tokenize_datasets
+    >>> from hf_lisa.data.pipeline import load_raw_datasets, tokenize_datasets
     >>> raw = load_raw_datasets(train_file="train.jsonl", validation_split_percentage=10)  # doctest: +SKIP
     >>> tokenized, report = tokenize_datasets(raw, tokenizer, max_seq_length=256)  # doctest: +SKIP
     ```
@@ -465,19 +465,3 @@ def data_collator(tokenizer, pad_to_multiple_of: int | None = None):
     return DataCollatorForSeq2Seq(
         tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of
     )
-
-
-def load_task_or_file(train_file: Optional[str] = None, n_train: int = 1000, n_validation: int = 32):
-    """Raw ``train``/``validation`` datasets: ``train_file`` (5% held out) when given, else the bundled task.
-
-    What the examples start from: a user's own file, or, without one, the bundled arithmetic task (:mod:`hf_lisa.demo_task`).
-
-    Returns:
-        A ``datasets.DatasetDict``, as :func:`load_raw_datasets` returns it.
-    """
-    from ..demo_task import cached_dataset_files
-
-    if train_file:
-        return load_raw_datasets(train_file=train_file, validation_split_percentage=5)
-    train, validation = cached_dataset_files(n_train, n_validation)
-    return load_raw_datasets(train_file=train, validation_file=validation)

@@ -52,7 +52,7 @@ def resolve_mix_strategy(value: Any, specs: Sequence[Any], option: str = "mix_st
 
     Example:
         ```py
-        >>> from hf_lisa.train.sources import parse_sources
+        >>> from hf_lisa.data.sources import parse_sources
         >>> resolve_mix_strategy("auto", parse_sources("a.jsonl,b.jsonl"))
         'concat'
         >>> resolve_mix_strategy("auto", parse_sources("a.jsonl:0.7,b.jsonl:0.3"))

@@ -160,9 +160,9 @@ class DataArguments:
 
 def check_data_arguments(data_args: DataArguments) -> None:
     """The data options' own checks, each naming the option, the value and what is allowed (``UsageError``); run by
-    :func:`hf_lisa.train.arguments.validate_args` before anything loads."""
-    from .formats import check_format_arguments
-    from .sources import check_source_arguments
+    :func:`hf_lisa.train.parsing.arguments.validate_args` before anything loads."""
+    from ...data.formats import check_format_arguments
+    from ...data.sources import check_source_arguments
 
     check_format_arguments(data_args.data_format, data_args.chat_template)  # formats, template names and files
     check_source_arguments(data_args)  # --train_file specs and weights, --dataset_name/--dataset_config/--dataset_split
