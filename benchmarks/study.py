@@ -150,14 +150,30 @@ class Run:
 # ----------------------------------------------------------------------------------------------------------------------
 # Planning: what is still missing, from what is there
 # ----------------------------------------------------------------------------------------------------------------------
+#: a run whose failure is the machine's, not the method's (a broken pipe when the parent restarts, a full disk, a kill
+#: by signal), is recorded with ``"infrastructure": true``: it is no result, so it is planned again, at most this many
+#: times (then it is left out, and named, so that a persistent failure cannot loop forever)
+INFRASTRUCTURE_RETRIES = 2
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def read_results(path: Path) -> dict[str, dict]:
-    results: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                results[record["key"]] = record
-    return results
+    """The results by run key; the infrastructure failures are not results (see :data:`INFRASTRUCTURE_RETRIES`)."""
+    return {record["key"]: record for record in _records(path) if not record.get("infrastructure")}
+
+
+def infrastructure_failures(path: Path) -> dict[str, int]:
+    """How often each run key failed for the machine's reasons."""
+    counts: dict[str, int] = {}
+    for record in _records(path):
+        if record.get("infrastructure"):
+            counts[record["key"]] = counts.get(record["key"], 0) + 1
+    return counts
 
 
 def selection_loss(record: Optional[dict]) -> float:
@@ -238,12 +254,17 @@ def launch(run: Run, out: Path, model: Optional[str], threads: int) -> None:
     command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(run)), "--out", str(out)]
     if model:
         command += ["--model", model]
+    infrastructure_before = infrastructure_failures(out).get(run.key, 0)
     started = time.time()
     completed = subprocess.run(command, env=env, capture_output=True, text=True)
-    if completed.returncode != 0:  # the child records its own failures; this covers a crash (e.g. out of memory)
-        if run.key not in read_results(out):
-            append_record(out, {"key": run.key, "run": asdict(run), "error": completed.stderr[-2000:],
-                                "returncode": completed.returncode, "wall_s": time.time() - started})
+    recorded = run.key in read_results(out) or infrastructure_failures(out).get(run.key, 0) > infrastructure_before
+    if completed.returncode != 0 and not recorded:  # the child records its own failures; this covers a crash
+        record = {"key": run.key, "run": asdict(run), "error": completed.stderr[-2000:],
+                  "returncode": completed.returncode, "wall_s": time.time() - started}
+        if completed.returncode < 0:  # killed by a signal (the session ending, a kill): the machine's, run again
+            record.update(infrastructure=True, error=f"killed by signal {-completed.returncode}; "
+                          + completed.stderr[-1800:])
+        append_record(out, record)  # an exit status without a record of the child's own: a failed run, a result
     print(f"[study] {run.key}: exit {completed.returncode} after {time.time() - started:.0f} s", flush=True)
 
 
@@ -254,6 +275,12 @@ def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optiona
     while True:
         results = read_results(out)
         todo = [r for r in memory_runs(preset_name) if r.key not in results] if memory else plan(preset_name, results)
+        failures = infrastructure_failures(out)
+        given_up = [r.key for r in todo if failures.get(r.key, 0) > INFRASTRUCTURE_RETRIES]
+        if given_up:
+            print(f"[study] left out after {INFRASTRUCTURE_RETRIES + 1} failures of the machine's kind (see their "
+                  f"records in {out}): {', '.join(given_up)}", flush=True)
+        todo = [r for r in todo if r.key not in given_up]
         if not todo:
             print(f"[study] nothing left to run in {out}", flush=True)
             return

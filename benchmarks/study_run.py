@@ -185,6 +185,8 @@ def run_one(run: Run, out: Path, model_path: Optional[str]) -> None:
         record = _run(run, model_path)
     except Exception as err:  # recorded, so that the study moves on and the report says why
         record = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        if isinstance(err, OSError):  # a broken pipe, a full disk: the machine's failure, not the method's (planned again)
+            record["infrastructure"] = True
     record.update(key=run.key, run=asdict(run), wall_s=time.time() - started)
     append_record(out, record)
     if record.get("error"):

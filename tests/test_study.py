@@ -60,6 +60,45 @@ def test_a_grid_whose_every_rate_failed_is_left_undecided_and_not_extended():
     assert study.grid_state(full, "cpu", results) == ([], None)
 
 
+def test_a_failure_of_the_machine_is_planned_again_a_bounded_number_of_times(tmp_path, monkeypatch, capsys):
+    """A broken pipe (the parent restarted), a full disk or a kill is no result: before, it was recorded like a
+    diverged rate (infinite loss) and could decide a grid. Now it is planned again, at most INFRASTRUCTURE_RETRIES
+    times more, then left out and named; a failure of the method itself stays a result."""
+    from benchmarks import study_run
+
+    out = tmp_path / "s.jsonl"
+    run = study.Run("lora", 1e-3, 0, "cpu")
+
+    def broken_pipe(run, model_path):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(study_run, "_run", broken_pipe)
+    with pytest.raises(SystemExit):
+        study_run.run_one(run, out, None)
+    assert run.key not in study.read_results(out) and study.infrastructure_failures(out) == {run.key: 1}
+    assert run.key in {r.key for r in study.plan("cpu", study.read_results(out))}
+
+    def diverged(run, model_path):
+        raise FloatingPointError("loss is nan")
+
+    monkeypatch.setattr(study_run, "_run", diverged)
+    with pytest.raises(SystemExit):
+        study_run.run_one(run, out, None)
+    assert study.read_results(out)[run.key]["error"].startswith("FloatingPointError")
+    assert study.selection_loss(study.read_results(out)[run.key]) == float("inf")
+
+    # a run the machine keeps failing is left out after 1 + INFRASTRUCTURE_RETRIES tries, named, instead of looping
+    other = tmp_path / "t.jsonl"
+    for _ in range(study.INFRASTRUCTURE_RETRIES + 1):
+        study.append_record(other, {"key": run.key, "run": {}, "infrastructure": True, "error": "killed by signal 9"})
+    launched = []
+    monkeypatch.setattr(study, "plan", lambda preset, results: [] if launched else [run])
+    monkeypatch.setattr(study, "launch", lambda *a: launched.append(a))
+    study.study("cpu", other, None, None, 1, memory=False)
+    assert not launched
+    assert f"left out after {study.INFRASTRUCTURE_RETRIES + 1} failures" in capsys.readouterr().out
+
+
 def test_the_rate_ladder_is_spaced_by_three():
     assert study._ladder(1e-3, up=True) == 3e-3 and study._ladder(3e-3, up=True) == 1e-2
     assert study._ladder(1e-5, up=False) == 3e-6 and study._ladder(3e-6, up=False) == 1e-6
