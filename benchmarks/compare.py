@@ -1,7 +1,7 @@
 """Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers, side by side in one run.
 
 Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
-``hf-lisa train`` (``hf_lisa.train.apply_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
+``hf-lisa train`` (``hf_lisa.trainer.methods.setup_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
 process so that peak memory is per method. The peers BAdam and GaLore come from their own packages and run in a plain
 ``transformers.Trainer`` as their docs say (``benchmarks/peers.py``). A measuring callback records, per optimizer step:
 wall time, tokens, optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss;
@@ -70,11 +70,10 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     from benchmarks.naive_lisa import NaiveLisaCallback
     from benchmarks.peers import PEER_PACKAGES, package_version
     from benchmarks.theory import ACTIVATION_FORMULA, parameter_inventory
+    from benchmarks.measure import setup_benchmarked_method
     from hf_lisa.train import (
         DataArguments,
-        LisaArguments,
         ModelArguments,
-        apply_method,
         generation_exact_match,
         generation_rows,
         load_model_and_tokenizer,
@@ -138,17 +137,15 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     overrides = {**spec.lisa_overrides, **dict(preset.lisa_extra)}
     trainer_settings = {name: overrides.pop(name) for name in list(overrides) if name in TRAINER_OPTIONS}
     trainer_settings.update(chunked_loss=preset.chunked_loss, cpu_allocator=preset.cpu_allocator)
-    lisa_args = LisaArguments(
-        method=spec.train_method,
-        lisa_activated_layers=preset.lisa_activated_layers,
-        lisa_interval_steps=preset.lisa_interval_steps,
-        r=preset.lora_r,
-        lisa_alpha=preset.lora_alpha,
-        target_modules=["all-linear"],
-        importance_steps=preset.importance_steps,
+    model, callbacks = setup_benchmarked_method(model, spec.train_method, preset.seed, {
+        "lisa_activated_layers": preset.lisa_activated_layers,
+        "lisa_interval_steps": preset.lisa_interval_steps,
+        "r": preset.lora_r,
+        "lisa_alpha": preset.lora_alpha,
+        "target_modules": ["all-linear"],
+        "importance_steps": preset.importance_steps,
         **overrides,
-    )
-    model, callbacks = apply_method(model, lisa_args, seed=preset.seed)
+    })
     lr = preset.lr_adapter if spec.family == "adapter" else preset.lr_full_parameter
     if spec.naive:
         callbacks = callbacks + [

@@ -45,6 +45,38 @@ def reset_peak_rss() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The method, as hf-lisa train builds it (public API: hf_lisa.trainer.methods.setup_method)
+# ----------------------------------------------------------------------------------------------------------------------
+#: the run-level settings of the LISA methods that are keywords of setup_method, not LisaConfig settings
+RUN_LEVEL_SETTINGS = ("lisa_always_trainable", "lisa_optimizer_state_policy")
+
+
+def setup_benchmarked_method(model, method: str, seed: int, settings: dict):
+    """``(model, callbacks)`` for ``method``, as ``hf-lisa train`` builds it: a preset's settings are shared by every
+    method it compares, so each method is given the ones it uses (``method_settings``); the run-level ones go to the
+    methods that use them."""
+    from hf_lisa.methods import get_method
+    from hf_lisa.trainer.methods import method_settings, setup_method
+
+    from hf_lisa.methods import LISA_ADAPTER
+
+    spec = get_method(method)
+    unknown = sorted(set(settings) - method_settings(LISA_ADAPTER.name) - set(RUN_LEVEL_SETTINGS))  # every LisaConfig
+    if unknown:
+        raise TypeError(f"benchmark settings {unknown} are neither LisaConfig settings nor {RUN_LEVEL_SETTINGS}")
+    used = {name: value for name, value in settings.items() if name in method_settings(method)}
+    extra = {name: settings[name] for name in RUN_LEVEL_SETTINGS if name in settings}
+    if "lisa_always_trainable" in extra:
+        always = [v for v in extra["lisa_always_trainable"] if str(v).lower() != "none"]
+        extra["lisa_always_trainable"] = tuple(always)
+    if not spec.samples_base_blocks:
+        extra.pop("lisa_always_trainable", None)
+    if not spec.samples_layers:
+        extra.pop("lisa_optimizer_state_policy", None)
+    return setup_method(model, method, seed=seed, **extra, **used)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Worker: one method, one process
 # ----------------------------------------------------------------------------------------------------------------------
 def state_kind(method: str, lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:

@@ -1,7 +1,7 @@
 """Throughput of ``hf-lisa train --packing``: the same rows trained unpacked and packed, side by side.
 
 Both runs go through what ``hf-lisa train`` builds (the arguments of ``hf_lisa.train.parse_args``, the method's
-wrapping by ``apply_method``, ``LisaTrainer``), on the same tokenised rows of the bundled arithmetic task (short
+wrapping by ``hf_lisa.trainer.methods.setup_method``, ``LisaTrainer``), on the same tokenised rows of the bundled arithmetic task (short
 prompt/completion rows), for one pass over them, with the same batch size:
 
 * **unpacked**: ``--batch-size`` rows per step, right-padded to the longest row of the batch (the default);
@@ -111,7 +111,7 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
     """One pass over the rows in ``mode``; the per-step times and token counts."""
     from transformers import PrinterCallback, TrainerCallback, set_seed
 
-    from hf_lisa.train import apply_method
+    from benchmarks.measure import setup_benchmarked_method
     from hf_lisa.trainer import LisaTrainer
     from hf_lisa import data as data_lib
     from hf_lisa.data.packing import prepare_packing
@@ -122,7 +122,7 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
     collator, report = data_lib.data_collator(tokenizer), None
     if mode == "packed":
         tokenized, collator, report = prepare_packing(tokenized, model, tokenizer, ns.pack_length, ns.seed, collator)
-    model, callbacks = apply_method(model, lisa_args, seed=ns.seed)
+    model, callbacks = setup_benchmarked_method(model, lisa_args.method, ns.seed, {})  # the method's defaults
     batches: list[tuple[int, int]] = []  # (tokens of the rows, positions computed) per batch, in step order
 
     def counting(features):

@@ -61,7 +61,9 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     from benchmarks.tasks import task_files
     from benchmarks.measure import current_rss_bytes
     from hf_lisa.optim.in_backward import AdamWInBackward
-    from hf_lisa.train import ModelArguments, load_model_and_tokenizer, resolve_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_lisa.models import default_model_path
     from hf_lisa import data as data_lib
     from hf_lisa.optim import install_chunked_loss
     from hf_lisa.optim import apply_cpu_allocator, heap_trim
@@ -74,8 +76,9 @@ def breakdown(steps: int = 8, cpu_allocator: str = "default", step_in_backward: 
     raw = data_lib.load_raw_datasets(train_file=train_file, validation_file=validation_file, seed=seed)
     raw["train"] = raw["train"].select(range(steps * batch_size))
     rss0, used0 = current_rss_bytes(), _malloc_in_use(libc)
-    path, _ = resolve_model_path(ModelArguments())
-    model, tokenizer = load_model_and_tokenizer(ModelArguments(), path)
+    path = default_model_path()  # the embedded SmolLM2-135M-Instruct, in float32 as hf-lisa train loads it
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # it has a pad token
     tokenized, _ = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=seq_len)
     collate = data_lib.data_collator(tokenizer)
     rows = tokenized["train"]

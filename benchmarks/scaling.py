@@ -4,7 +4,7 @@ lengths, with the theoretical floor of every cell beside the measurement.
 The grid is the SmolLM2 family's shapes (135M, 360M, 1.7B; random-initialised ``LlamaForCausalLM`` built from the
 config: cost does not depend on the weights' values) times row lengths 128, 512 and 2048, one row per batch (no
 padding, random tokens, labels = inputs). Each cell trains ``steps`` optimizer steps through the same pieces as
-``hf-lisa train`` (``hf_lisa.train.apply_method``, ``LisaTrainer``, AdamW at a constant learning rate) with
+``hf-lisa train`` (``hf_lisa.trainer.methods.setup_method``, ``LisaTrainer``, AdamW at a constant learning rate) with
 ``benchmarks.measure``'s recorder, in a fresh process, so its peak RSS is its own (reset when training starts, Linux
 ``clear_refs``). The first step is a warm-up; s/step is the median of the others.
 
@@ -155,8 +155,8 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
 
+    from benchmarks.measure import setup_benchmarked_method
     from benchmarks.theory import parameter_inventory
-    from hf_lisa.train import LisaArguments, apply_method
     from hf_lisa.trainer import LisaTrainer, LisaTrainingArguments
 
     transformers.utils.logging.set_verbosity_error()
@@ -171,12 +171,10 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
     with device:
         model = LlamaForCausalLM(config)
     init_seconds = time.perf_counter() - t0
-    lisa_args = LisaArguments(
-        method=method, lisa_activated_layers=settings.lisa_activated_layers,
-        lisa_interval_steps=settings.lisa_interval_steps, r=settings.lora_r, lisa_alpha=settings.lora_alpha,
-        target_modules=["all-linear"],
-    )
-    model, callbacks = apply_method(model, lisa_args, seed=settings.seed)
+    model, callbacks = setup_benchmarked_method(model, method, settings.seed, {
+        "lisa_activated_layers": settings.lisa_activated_layers, "lisa_interval_steps": settings.lisa_interval_steps,
+        "r": settings.lora_r, "lisa_alpha": settings.lora_alpha, "target_modules": ["all-linear"],
+    })
     inventory = parameter_inventory(model)
     estimate_kwargs = {"act_bytes": 2 if settings.bf16 else 4,
                        "adapter_rank": settings.lora_r if method == "lora" else 0, "sparse": False,

@@ -15,7 +15,7 @@ A method is described by what it *is*, not by a branch per name elsewhere:
 * ``learning_rate``: ``hf-lisa train``'s learning rate when neither the command line nor the config file sets one
   (``None``: the Trainer's 5e-5). Chosen on the value study (``benchmarks/value.py``; docs/benchmarks.md).
 
-A new method is one more :class:`Method` in :data:`METHODS`; ``hf_lisa.train.methods.apply_method`` builds it from
+A new method is one more :class:`Method` in :data:`METHODS`; ``hf_lisa.trainer.methods.setup_method`` builds it from
 these fields.
 
 Example:
@@ -52,6 +52,21 @@ FULL_LISA_LEARNING_RATE = 1e-4
 LORA_DEFAULTS = MappingProxyType({"target_modules": ["all-linear"]})
 #: LoRA's lora_alpha when none is given: 2·r, LLaMA-Factory's default and the α = 2r of the study's LoRA (issue 37)
 LORA_ALPHA_PER_RANK = 2.0
+
+
+#: LisaConfig settings that PEFT's LoraConfig has too, and their names there: what LoRA-type adapters use
+LORA_CONFIG_NAMES = MappingProxyType({
+    "r": "r",
+    "lisa_alpha": "lora_alpha",
+    "lisa_dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "exclude_modules": "exclude_modules",
+    "layers_to_transform": "layers_to_transform",
+    "layers_pattern": "layers_pattern",
+    "modules_to_save": "modules_to_save",
+    "rank_pattern": "rank_pattern",
+    "alpha_pattern": "alpha_pattern",
+})
 
 
 @dataclass(frozen=True)
@@ -161,5 +176,6 @@ def method_defaults(name: str) -> dict[str, Any]:
 
 __all__ = [
     "ADAPTER_ACTIVATED_LAYERS", "DEFAULT_METHOD", "FULL", "FULL_LISA", "FULL_LISA_ACTIVATED_LAYERS", "LISA_ADAPTER",
-    "METHODS", "Method", "get_method", "method_defaults", "method_names", "method_of_adapter",
+    "LORA_CONFIG_NAMES", "METHODS", "Method", "get_method", "method_defaults", "method_names", "method_of_adapter",
+    "schedules_anything",
 ]

@@ -135,7 +135,7 @@ def test_apply_method_wraps_a_classification_model_with_its_head_trainable(metho
     from peft import PeftModel
 
     from hf_lisa.train import LisaArguments
-    from hf_lisa.train.methods import peft_task_type
+    from hf_lisa.trainer.methods import peft_task_type
 
     torch.manual_seed(0)
     model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**TEXT, num_labels=3))

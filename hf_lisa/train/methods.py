@@ -1,7 +1,7 @@
 """Load the model and wrap it for the chosen ``--method``, as the registry (:mod:`hf_lisa.methods`) describes it:
-full-parameter LISA gets ``LisaCallback``, a LISA adapter ``LisaConfig`` + ``LisaAdapterCallback``, a LoRA-type
-adapter PEFT's ``LoraConfig``, and a method that trains the base weights without a schedule nothing. Which option
-each method uses is :data:`hf_lisa.train.parsing.options.OPTION_METHODS`."""
+the library's :func:`hf_lisa.trainer.methods.setup_method` (``LisaCallback`` for full-parameter LISA, ``LisaConfig`` +
+``LisaAdapterCallback`` for a LISA adapter, PEFT's ``LoraConfig`` for LoRA and DoRA, nothing for full fine-tuning).
+Which option each method uses is :data:`hf_lisa.train.parsing.options.OPTION_METHODS`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import logging
 import torch
 from torch import nn
 
-from ..methods import get_method, schedules_anything
 from .parsing.arguments import LisaArguments, ModelArguments, lisa_config_kwargs
-from .parsing.options import LORA_CONFIG_NAMES, uses
+from .parsing.options import uses
 from .quantization import bnb_config
 
 logger = logging.getLogger("hf_lisa.train")
@@ -58,18 +57,6 @@ def load_model_and_tokenizer(model_args: ModelArguments, path: str):
     return model, tokenizer
 
 
-#: PEFT task types by the model class's head suffix; any other model is wrapped as a causal LM
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
-               "ForQuestionAnswering": "QUESTION_ANS"}
-
-
-def peft_task_type(model) -> str:
-    """PEFT's ``task_type`` for ``model``: ``SEQ_CLS`` for a ``*ForSequenceClassification`` (PEFT then trains and saves
-    its ``score``/``classifier`` head in full), ``TOKEN_CLS``, ``QUESTION_ANS``, else ``CAUSAL_LM``."""
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), "CAUSAL_LM")
-
-
 def _always_trainable(lisa_args: LisaArguments) -> list[str]:
     return [v for v in (lisa_args.lisa_always_trainable or []) if v.lower() != "none"]
 
@@ -85,46 +72,17 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
 
 
 def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
-    """Wrap ``model`` for ``lisa_args.method`` and return ``(model, scheduling callbacks)``.
+    """Wrap ``model`` for ``lisa_args.method`` and return ``(model, scheduling callbacks)``: the library's
+    :func:`hf_lisa.trainer.methods.setup_method` given the LisaConfig settings the method's wrapping uses (the options the method does not use at
+    all were refused when the arguments were parsed; ``lisa_layers_attribute`` also serves the monitor and the
+    learning-rate decay of every method)."""
+    from ..trainer.methods import method_settings, setup_method
 
-    The LISA settings go in whole: to a ``LisaConfig`` for ``lisa-adapter``, the layer schedule to ``LisaCallback``
-    for full-parameter ``lisa``, and the ones ``LoraConfig`` shares (:data:`LORA_CONFIG_NAMES`) to LoRA / DoRA.
-    """
-    method = get_method(lisa_args.method)
-    settings = lisa_config_kwargs(lisa_args)
-    if method.samples_base_blocks:
-        from hf_lisa.trainer_callbacks import LisaCallback
-
-        callback = LisaCallback(
-            lisa_activated_layers=settings["lisa_activated_layers"],
-            lisa_interval_steps=settings["lisa_interval_steps"],
-            lisa_sampling=settings["lisa_sampling"],
-            seed=seed,
-            lisa_always_trainable=tuple(_always_trainable(lisa_args)),
-            lisa_optimizer_state_policy=lisa_args.lisa_optimizer_state_policy,
-            lisa_layers_attribute=settings["lisa_layers_attribute"],
-        )
-        return model, [callback]
-    if not method.is_adapter:
-        return model, []
-
-    from peft import get_peft_model
-
-    if method.is_lisa_adapter:
-        from hf_lisa.trainer_callbacks import LisaAdapterCallback
-
-        from ..tuner.config import LisaConfig
-
-        config = LisaConfig(task_type=peft_task_type(model), **settings)
-        peft_model = get_peft_model(model, config)
-        if not schedules_anything(config):
-            # γ = 0, ρ = 0, no interpolation: the same update as LoRA, nothing for the schedule to do; the start line
-            # and the card say so (no callback, so no "nothing to schedule" warning a CLI user cannot act on)
-            return peft_model, []
-        callback = LisaAdapterCallback(seed=seed, lisa_optimizer_state_policy=lisa_args.lisa_optimizer_state_policy)
-        return peft_model, [callback]
-
-    from peft import LoraConfig
-
-    lora = {LORA_CONFIG_NAMES[name]: value for name, value in settings.items() if name in LORA_CONFIG_NAMES}
-    return get_peft_model(model, LoraConfig(task_type=peft_task_type(model), use_dora=method.use_dora, **lora)), []
+    method = lisa_args.method
+    settings = {name: value for name, value in lisa_config_kwargs(lisa_args).items() if name in method_settings(method)}
+    extra = {}
+    if uses(method, "lisa_always_trainable"):
+        extra["lisa_always_trainable"] = tuple(_always_trainable(lisa_args))
+    if uses(method, "lisa_optimizer_state_policy"):
+        extra["lisa_optimizer_state_policy"] = lisa_args.lisa_optimizer_state_policy
+    return setup_method(model, method, seed=seed, **extra, **settings)

@@ -6,11 +6,13 @@
 * :class:`LisaTrainingArguments` (:mod:`.training_args`): its settings as typed ``TrainingArguments`` fields, checked
   once in ``__post_init__``;
 * :mod:`.trl`: the same over TRL's ``SFTTrainer`` and ``DPOTrainer`` (``LisaSFTTrainer`` / ``LisaSFTConfig``,
-  ``LisaDPOTrainer`` / ``LisaDPOConfig``); imported on its own, since it imports TRL.
+  ``LisaDPOTrainer`` / ``LisaDPOConfig``); imported on its own, since it imports TRL;
+* :func:`.methods.setup_method`: a model set up for any method of the registry (``lisa``, ``lisa-adapter``, ``lora``,
+  ``dora``, ``full``) with the callbacks it needs, as ``hf-lisa train`` builds it.
 
 The LISA schedule itself is the callbacks' (:mod:`hf_lisa.trainer_callbacks`): they work in any Trainer, this one
-included. ``hf-lisa train`` (:mod:`hf_lisa.train`, the application) runs on this class; ``hf_lisa.train.LisaTrainer``
-is the same class.
+included. ``hf-lisa train`` (:mod:`hf_lisa.train`, the application) runs on this class and builds its methods with
+:func:`.methods.setup_method`.
 
 Example:
     ```py

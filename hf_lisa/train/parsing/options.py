@@ -17,7 +17,7 @@ import textwrap
 from typing import Any, Collection, Optional
 
 from ...errors import UsageError
-from ...methods import METHODS, Method, method_defaults, method_names
+from ...methods import LORA_CONFIG_NAMES, METHODS, Method, method_defaults, method_names
 from ...tuner.config import lisa_config_fields
 
 #: LisaConfig fields that are not options of ``hf-lisa train``, and why
@@ -25,19 +25,6 @@ _NOT_OPTIONS = {"fan_in_fan_out": "set automatically for Conv1D targets", "init_
 #: the LisaConfig fields that are options of ``hf-lisa train``, in LisaConfig's order
 LISA_CONFIG_OPTIONS: tuple[str, ...] = tuple(f.name for f in lisa_config_fields() if f.name not in _NOT_OPTIONS)
 
-#: LisaConfig settings that PEFT's LoraConfig has too, and their names there: what LoRA-type adapters use
-LORA_CONFIG_NAMES = {
-    "r": "r",
-    "lisa_alpha": "lora_alpha",
-    "lisa_dropout": "lora_dropout",
-    "target_modules": "target_modules",
-    "exclude_modules": "exclude_modules",
-    "layers_to_transform": "layers_to_transform",
-    "layers_pattern": "layers_pattern",
-    "modules_to_save": "modules_to_save",
-    "rank_pattern": "rank_pattern",
-    "alpha_pattern": "alpha_pattern",
-}
 
 
 def _configures_adapter(option: str):
