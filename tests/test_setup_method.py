@@ -74,7 +74,7 @@ def test_typed_settings_decide_as_on_the_command_line(tmp_path, method, options,
 
 
 def test_a_setting_the_method_does_not_use_is_refused_naming_what_it_uses():
-    with pytest.raises(TypeError, match=r"sparsity is not used by method 'lora'; it uses: .*lisa_alpha.*target_modules"):
+    with pytest.raises(TypeError, match=r"sparsity is not used by method 'lora'; it uses: .*lisa_alpha.*target_mod"):
         setup_method(tiny_llama(), "lora", seed=0, sparsity=0.5)
     with pytest.raises(TypeError, match=r"r is not used by method 'full'; it uses: none"):
         setup_method(tiny_llama(), "full", seed=0, r=4)

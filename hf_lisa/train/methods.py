@@ -73,13 +73,14 @@ def lisa_knobs(lisa_args: LisaArguments) -> dict:
 
 def apply_method(model: nn.Module, lisa_args: LisaArguments, seed: int):
     """Wrap ``model`` for ``lisa_args.method`` and return ``(model, scheduling callbacks)``: the library's
-    :func:`hf_lisa.trainer.methods.setup_method` given the LisaConfig settings the method's wrapping uses (the options the method does not use at
-    all were refused when the arguments were parsed; ``lisa_layers_attribute`` also serves the monitor and the
-    learning-rate decay of every method)."""
+    :func:`hf_lisa.trainer.methods.setup_method`, given the LisaConfig settings the method's wrapping uses (options the
+    method does not use at all were refused when the arguments were parsed; ``lisa_layers_attribute`` also serves the
+    monitor and the learning-rate decay of every method)."""
     from ..trainer.methods import method_settings, setup_method
 
     method = lisa_args.method
-    settings = {name: value for name, value in lisa_config_kwargs(lisa_args).items() if name in method_settings(method)}
+    wrapping = method_settings(method)
+    settings = {name: value for name, value in lisa_config_kwargs(lisa_args).items() if name in wrapping}
     extra = {}
     if uses(method, "lisa_always_trainable"):
         extra["lisa_always_trainable"] = tuple(_always_trainable(lisa_args))

@@ -98,7 +98,8 @@ def setup_method(
     if spec.samples_base_blocks:
         from ..trainer_callbacks import LisaCallback
 
-        schedule = {name: settings.get(name, LisaConfig.__dataclass_fields__[name].default) for name in SCHEDULE_SETTINGS}
+        defaults = LisaConfig.__dataclass_fields__
+        schedule = {name: settings.get(name, defaults[name].default) for name in SCHEDULE_SETTINGS}
         always = {} if lisa_always_trainable is None else {"lisa_always_trainable": tuple(lisa_always_trainable)}
         return model, [LisaCallback(seed=seed, lisa_optimizer_state_policy=lisa_optimizer_state_policy, **always,
                                     **schedule)]
