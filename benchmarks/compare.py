@@ -71,15 +71,11 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     from benchmarks.peers import PEER_PACKAGES, package_version
     from benchmarks.theory import ACTIVATION_FORMULA, parameter_inventory
     from benchmarks.measure import setup_benchmarked_method
-    from hf_lisa.train import (
-        DataArguments,
-        ModelArguments,
-        generation_exact_match,
-        generation_rows,
-        load_model_and_tokenizer,
-        resolve_model_path,
-    )
     from hf_lisa import data as data_lib
+    from hf_lisa.evaluation import generation_exact_match, generation_rows
+    from hf_lisa.models import (
+        DEFAULT_MODEL_ID, default_model_path, is_default_model, load_model_and_tokenizer, quantization_config,
+    )
     from hf_lisa.trainer import LisaTrainer
 
     spec = METHODS[method]
@@ -120,15 +116,16 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     rss_before_model = current_rss_bytes()
 
     # -- model ---------------------------------------------------------------------------------------------------------
-    model_args = ModelArguments(model_name_or_path=preset.model, torch_dtype=preset.dtype, **spec.model_overrides)
-    path, base_model_id = resolve_model_path(model_args)
+    path = preset.model or default_model_path()
+    base_model_id = DEFAULT_MODEL_ID if is_default_model(path) else path
     if seq_cls:
         model, tokenizer = tasks_lib.load_seq_cls(path, task.num_labels, preset.dtype, preset.seed)
         tokenized = tasks_lib.tokenize_classification(raw, tokenizer, preset.seq_len)
         report = data_lib.TokenizationReport(data_format="text+label", kept={k: len(v) for k, v in tokenized.items()})
         collator = transformers.DataCollatorWithPadding(tokenizer)
     else:
-        model, tokenizer = load_model_and_tokenizer(model_args, path)
+        model, tokenizer = load_model_and_tokenizer(
+            path, dtype=preset.dtype, quantization_config=quantization_config(**spec.model_overrides, dtype=preset.dtype))
         tokenized, report = data_lib.tokenize_datasets(raw, tokenizer, max_seq_length=preset.seq_len)
         collator = data_lib.data_collator(tokenizer)
     from hf_lisa.trainer import LisaTrainingArguments
@@ -244,7 +241,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     gen_rows: list[dict] = []
     if (bundled and not seq_cls and preset.exact_match_samples
             and report.data_format in ("prompt_completion", "messages")):
-        gen_rows = generation_rows(generation_source, report.data_format, DataArguments(), preset.exact_match_samples)
+        gen_rows = generation_rows(generation_source, report.data_format, preset.exact_match_samples)
 
     def exact_match() -> tuple[float, float]:
         started = time.perf_counter()

@@ -1,8 +1,9 @@
 """Throughput of ``hf-lisa train --packing``: the same rows trained unpacked and packed, side by side.
 
-Both runs go through what ``hf-lisa train`` builds (the arguments of ``hf_lisa.train.parse_args``, the method's
-wrapping by ``hf_lisa.trainer.methods.setup_method``, ``LisaTrainer``), on the same tokenised rows of the bundled arithmetic task (short
-prompt/completion rows), for one pass over them, with the same batch size:
+Both runs go through the pieces ``hf-lisa train --packing`` uses, from the library (``LisaTrainingArguments``, the
+method's wrapping by ``hf_lisa.trainer.methods.setup_method``, ``LisaTrainer``, ``hf_lisa.data.packing``), on the same
+tokenised rows of the bundled arithmetic task (short prompt/completion rows), for one pass over them, with the same
+batch size:
 
 * **unpacked**: ``--batch-size`` rows per step, right-padded to the longest row of the batch (the default);
 * **packed**: ``--batch-size`` sequences of up to ``--pack-length`` tokens per step, each holding several rows
@@ -58,19 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _arguments(ns: argparse.Namespace, work_dir: str, packing: bool):
+def _arguments(ns: argparse.Namespace, work_dir: str):
+    """The run's ``LisaTrainingArguments``: one pass at a constant rate, no checkpoints, no logging to speak of."""
     import torch
 
-    from hf_lisa.train import parse_args
+    from hf_lisa.trainer import LisaTrainingArguments
 
-    pin = ["--dataloader_pin_memory", "false"] if not torch.cuda.is_available() else []  # pinning needs a GPU
-    return parse_args([*pin,
-        "--output_dir", work_dir, "--method", ns.method, "--max_seq_length", str(ns.seq_len),
-        "--per_device_train_batch_size", str(ns.batch_size), "--num_train_epochs", "1", "--learning_rate", "1e-4",
-        "--lr_scheduler_type", "constant", "--logging_steps", "1000", "--save_strategy", "no", "--report_to", "none",
-        "--disable_tqdm", "true", "--seed", str(ns.seed), "--packing", str(packing).lower(),
-        "--progress_check_steps", "0",
-    ])
+    return LisaTrainingArguments(
+        output_dir=work_dir, per_device_train_batch_size=ns.batch_size, num_train_epochs=1, learning_rate=1e-4,
+        lr_scheduler_type="constant", logging_steps=1000, save_strategy="no", report_to="none", disable_tqdm=True,
+        seed=ns.seed, dataloader_pin_memory=torch.cuda.is_available(),  # pinning needs a GPU
+        progress_check_steps=0,
+    )
 
 
 def load_rows(ns: argparse.Namespace):
@@ -116,13 +116,13 @@ def run_one(mode: str, ns: argparse.Namespace, tokenizer, path: str, tokenized, 
     from hf_lisa import data as data_lib
     from hf_lisa.data.packing import prepare_packing
 
-    _, _, lisa_args, training_args = _arguments(ns, f"{work_dir}/{mode}", packing=mode == "packed")
+    training_args = _arguments(ns, f"{work_dir}/{mode}")
     set_seed(ns.seed)
     model = _model(ns, path, len(tokenizer))
     collator, report = data_lib.data_collator(tokenizer), None
     if mode == "packed":
         tokenized, collator, report = prepare_packing(tokenized, model, tokenizer, ns.pack_length, ns.seed, collator)
-    model, callbacks = setup_benchmarked_method(model, lisa_args.method, ns.seed, {})  # the method's defaults
+    model, callbacks = setup_benchmarked_method(model, ns.method, ns.seed, {})  # the method's defaults
     batches: list[tuple[int, int]] = []  # (tokens of the rows, positions computed) per batch, in step order
 
     def counting(features):

@@ -25,7 +25,8 @@ class MethodSpec:
         train_method: ``LisaArguments.method`` (``lisa-naive`` trains as ``full`` plus the naive callback).
         family: ``"full-parameter"`` or ``"adapter"``; selects the learning rate.
         lisa_overrides: extra ``LisaArguments`` fields (besides γ, K, r and alpha, which come from the preset).
-        model_overrides: extra ``ModelArguments`` fields, e.g. ``{"load_in_4bit": True}`` for a quantized base.
+        model_overrides: arguments of ``hf_lisa.models.quantization_config``, e.g. ``{"load_in_4bit": True}`` for a
+            quantized base.
         training_overrides: ``TrainingArguments`` fields that differ from the preset's, e.g. ``{"optim": ...}``.
         naive: add ``benchmarks.naive_lisa.NaiveLisaCallback`` (requires_grad toggling only).
         peer: ``"badam"`` or ``"galore"``: another package's method, run in a plain ``transformers.Trainer`` as its

@@ -5,7 +5,7 @@ intermediate (FFN) layer, in ONE ``LisaConfig`` through ``sparsity_pattern``.
     python examples/finetune_classification.py --tiny    # a tiny BERT built from config (random weights)
 
 The data is a small synthetic sentiment task generated here (offline, seeded): "the film was wonderful" → positive.
-Accuracy is computed with hf-lisa's plain NumPy metric `hf_lisa.train.evaluation.accuracy` (no Hub fetch).
+Accuracy is computed with hf-lisa's plain NumPy metric `hf_lisa.evaluation.accuracy` (no Hub fetch).
 """
 
 import argparse
@@ -28,7 +28,7 @@ from transformers import (
 )
 
 import hf_lisa
-from hf_lisa.train.evaluation import accuracy
+from hf_lisa.evaluation import accuracy
 from hf_lisa.trainer_callbacks import LisaAdapterCallback, prepare_trainer
 
 POSITIVE = ["wonderful", "great", "excellent", "delightful", "superb", "lovely", "fantastic", "enjoyable", "brilliant"]

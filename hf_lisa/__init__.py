@@ -41,8 +41,8 @@ _LAZY = {
 }
 # submodules reachable as attributes of the package (``hf_lisa.tuner``), imported on first access
 _SUBMODULES = frozenset({
-    "blocks", "cli", "demo", "demo_task", "distributed", "errors", "export", "hub", "methods", "model_cards", "models",
-    "scheduler", "train", "trainer_callbacks", "tuner",
+    "blocks", "cli", "data", "demo", "demo_task", "distributed", "errors", "evaluation", "export", "hub", "methods",
+    "model_cards", "models", "optim", "scheduler", "train", "trainer", "trainer_callbacks", "tuner",
 })
 
 

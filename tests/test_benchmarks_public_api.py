@@ -16,9 +16,10 @@ level included), and so is attribute access through an imported module (``hf_lis
 ``cli.main`` after ``from hf_lisa import cli``). Importing a submodule itself (``from hf_lisa import trainer_callbacks``)
 is fine when its path is public; what is then used from it is checked.
 
-Some uses have no public replacement yet (hf-lisa's own modules are not for a benchmark to change): STILL_USED lists
-them per benchmark, WAITING_FOR says which public name each waits for. The lists only shrink (a test fails on an entry
-no longer used). ``python tests/test_benchmarks_public_api.py`` prints every non-public use, listed or not.
+No use is exempted any more: the lists of uses waiting for a public name (34 entries at first) emptied as the data
+pipeline (``hf_lisa.data``), the trainer (``hf_lisa.trainer``), the method set-up
+(``hf_lisa.trainer.methods.setup_method``), model loading (``hf_lisa.models``) and generation exact match
+(``hf_lisa.evaluation``) became public. ``python tests/test_benchmarks_public_api.py`` prints every non-public use.
 """
 
 from __future__ import annotations
@@ -33,30 +34,6 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 #: packages whose names are not public for benchmarks, whatever their ``__all__`` says (see the module docstring)
 APPLICATION_PACKAGES = ("hf_lisa.train",)
-
-#: benchmark modules exempted, with why (none: the study's modules use only public names since hf_lisa.models and
-#: hf_lisa.demo_task declare an __all__).
-EXEMPT: dict[str, str] = {}
-
-#: what the remaining non-public uses wait for: hf-lisa offers no public name for them yet (a benchmark may not change
-#: hf_lisa/ to get one). Module or name prefix -> the public surface that would replace it.
-WAITING_FOR = {
-    "hf_lisa.train.": "model loading (ModelArguments with the quantization options, resolve_model_path, "
-                      "load_model_and_tokenizer), generation exact match and the parsed TrainingArguments as public "
-                      "library functions (issue 34 item 4); today they are the application's",
-}
-
-#: benchmark -> the non-public names it still uses (each under a WAITING_FOR prefix). Any other use fails, and so does
-#: an entry no longer used: the list only shrinks. (The data pipeline left it: ``hf_lisa.data`` is public; so did the
-#: method set-up: ``hf_lisa.trainer.methods.setup_method``.)
-STILL_USED = {
-    "compare.py": {
-        "hf_lisa.train.DataArguments", "hf_lisa.train.ModelArguments", "hf_lisa.train.generation_exact_match",
-        "hf_lisa.train.generation_rows", "hf_lisa.train.load_model_and_tokenizer", "hf_lisa.train.resolve_model_path",
-    },
-    "packing.py": {"hf_lisa.train.parse_args"},
-}
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # What is public
@@ -252,28 +229,9 @@ def format_offenders(found: dict[str, list[tuple[int, str, str]]]) -> str:
 # Tests
 # ----------------------------------------------------------------------------------------------------------------------
 def test_benchmarks_use_public_names_only():
-    """No benchmark uses a non-public name beyond those of STILL_USED (which wait for a public name)."""
-    new = {}
-    for name, uses in offenders().items():
-        if name in EXEMPT:
-            continue
-        extra = [use for use in uses if use[1] not in STILL_USED.get(name, ())]
-        if extra:
-            new[name] = extra
-    assert not new, "benchmarks use non-public names of hf_lisa:\n" + format_offenders(new)
-
-
-def test_waiting_lists_only_shrink():
-    """An entry of STILL_USED that its benchmark no longer uses is removed (so the list cannot go stale), and every
-    entry says what public name it waits for; likewise an exempted module that has become public-only."""
+    """No benchmark uses a non-public name of hf_lisa."""
     found = offenders()
-    stale = {name: sorted(names - {use[1] for use in found.get(name, [])}) for name, names in STILL_USED.items()}
-    assert not any(stale.values()), f"remove from STILL_USED, no longer used: {stale}"
-    unexplained = [what for names in STILL_USED.values() for what in names
-                   if not any(what.startswith(prefix) for prefix in WAITING_FOR)]
-    assert not unexplained, f"add to WAITING_FOR what these wait for: {unexplained}"
-    public_only = [name for name in EXEMPT if name not in found]
-    assert not public_only, f"remove from EXEMPT, these use public names only now: {public_only}"
+    assert not found, "benchmarks use non-public names of hf_lisa:\n" + format_offenders(found)
 
 
 def test_the_checker_sees_each_kind_of_use(tmp_path):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hf_lisa.train.evaluation import accuracy, compute_metrics, exact_match, perplexity
+from hf_lisa.evaluation import accuracy, compute_metrics, exact_match, perplexity
 
 
 def test_compute_metrics_on_a_hand_computed_example():
@@ -51,8 +51,7 @@ def test_exact_match():
 
 
 def test_generation_rows_skip_what_training_would_skip():
-    from hf_lisa.train import DataArguments
-    from hf_lisa.train.evaluation import generation_rows
+    from hf_lisa.evaluation import generation_rows
 
     chat = [
         {"messages": "hi"},  # not a list of turns
@@ -60,7 +59,26 @@ def test_generation_rows_skip_what_training_would_skip():
         {"messages": [{"role": "user", "content": ["x"]}, {"role": "assistant", "content": "4"}]},  # non-string
         {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
     ]
-    rows = generation_rows(chat, "messages", DataArguments(), limit=10)
+    rows = generation_rows(chat, "messages", limit=10)
     assert rows == [{"messages": [{"role": "user", "content": "2+2?"}], "reference": "4"}]
     pc = [{"prompt": "1+1=", "completion": 42}, {"prompt": "", "completion": "2"}, {"prompt": "1+1=", "completion": "2"}]
-    assert generation_rows(pc, "prompt_completion", DataArguments(), limit=10) == [{"prompt": "1+1=", "reference": "2"}]
+    assert generation_rows(pc, "prompt_completion", limit=10) == [{"prompt": "1+1=", "reference": "2"}]
+
+
+def test_generation_rows_read_the_columns_the_rows_use():
+    """``columns`` names a dataset's own columns (``hf-lisa train --prompt_column question ...``): without it those rows
+    have no prompt, with it they are prompted and scored."""
+    from hf_lisa.data import Columns
+    from hf_lisa.evaluation import generation_rows
+    from hf_lisa.train import DataArguments
+
+    rows = [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}]
+    renamed = Columns(prompt="question", completion="answer")
+    assert generation_rows(rows, "prompt_completion", limit=10, columns=renamed) == [
+        {"prompt": "1+1=", "reference": "2"}, {"prompt": "2+2=", "reference": "4"}]
+    assert generation_rows(rows, "prompt_completion", limit=1, columns=renamed) == [{"prompt": "1+1=", "reference": "2"}]
+    assert generation_rows(rows, "prompt_completion", limit=10) == []  # the default columns are not there
+    # the command's options give the same columns
+    args = DataArguments(prompt_column="question", completion_column="answer")
+    assert generation_rows(rows, "prompt_completion", limit=10, columns=args.columns()) == generation_rows(
+        rows, "prompt_completion", limit=10, columns=renamed)

@@ -13,8 +13,7 @@ from train_fixtures import build_tiny_lm_dir, encode_pieces, write_jsonl
 
 from hf_lisa.errors import UsageError
 from hf_lisa.data.pipeline import IGNORE_INDEX, DataError, detect_format, load_raw_datasets, tokenize_datasets
-from hf_lisa.train.parsing.data_arguments import DataArguments
-from hf_lisa.train.evaluation import generation_rows
+from hf_lisa.evaluation import generation_rows
 from hf_lisa.data.formats import SHAREGPT_ROLES, alpaca_prompt, check_format_arguments
 
 pytestmark = pytest.mark.skipif(
@@ -237,15 +236,14 @@ def test_a_file_mixing_alpaca_and_sharegpt_rows_is_refused_with_the_lines_of_eac
 def test_generation_rows_prompt_alpaca_and_sharegpt_as_training_renders_them(tmp_path):
     alpaca = [{"instruction": "Add.", "input": "2+3", "output": "5"}, {"instruction": "", "output": "skipped"},
               {"instruction": "Say hi.", "output": "Hi!", "system": "Be terse."}]
-    args = DataArguments()
-    assert generation_rows(alpaca, "alpaca", args, limit=5, chat=True) == [
+    assert generation_rows(alpaca, "alpaca", limit=5, chat=True) == [
         {"messages": [{"role": "user", "content": "Add.\n\n2+3"}], "reference": "5"},
         {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hi."}],
          "reference": "Hi!"},
     ]
-    assert generation_rows(alpaca, "alpaca", args, limit=1, chat=False) == [
+    assert generation_rows(alpaca, "alpaca", limit=1, chat=False) == [
         {"prompt": alpaca_prompt("Add.", "2+3"), "reference": "5"}]
-    sharegpt = generation_rows([SHAREGPT_ROW], "sharegpt", args, limit=5)
+    sharegpt = generation_rows([SHAREGPT_ROW], "sharegpt", limit=5)
     assert sharegpt[0]["reference"] == "You are welcome."
     assert [m["role"] for m in sharegpt[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant", "user"]
 

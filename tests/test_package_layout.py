@@ -165,7 +165,7 @@ LAYERS = (
     ("hf_lisa.trainer_callbacks",),
     ("hf_lisa.trainer",),
     ("hf_lisa.hub", "hf_lisa.model_cards"),
-    ("hf_lisa.data",),
+    ("hf_lisa.data", "hf_lisa.evaluation"),
     ("hf_lisa.train", "hf_lisa.cli", "hf_lisa.demo", "hf_lisa.demo_task", "hf_lisa.export", "hf_lisa.generate",
      "hf_lisa.generate_file", "hf_lisa.generate_guards", "hf_lisa.chat", "hf_lisa.integrations"),
 )

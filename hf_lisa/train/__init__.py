@@ -61,7 +61,6 @@ from .parsing.arguments import (
     parse_args,
     validate_args,
 )
-from .evaluation import compute_metrics, generation_exact_match, generation_rows
 from .methods import apply_method, load_model_and_tokenizer, resolve_model_path
 from .outputs import TRAINING_SUMMARY_NAME, save_final_model, trainable_summary
 from .run import main, run
@@ -76,9 +75,6 @@ __all__ = [
     "LisaArguments",
     "ModelArguments",
     "apply_method",
-    "compute_metrics",
-    "generation_exact_match",
-    "generation_rows",
     "load_model_and_tokenizer",
     "main",
     "parse_args",

@@ -102,3 +102,13 @@ def use_compact_console(trainer) -> None:
         trainer.add_callback(CompactProgressCallback)
     if trainer.pop_callback(PrinterCallback) is not None:
         trainer.add_callback(CompactPrinterCallback)
+
+
+def metrics_line(metrics: dict, suffix: str) -> str:
+    """The evaluation's headline figures (exact match, eval loss, perplexity, token accuracy; DPO's reward accuracy
+    and margin), of the keys ending in ``suffix`` (``_before`` for the evaluation before training), on one line."""
+    names = [("eval_exact_match", "exact match"), ("eval_loss", "eval loss"), ("eval_perplexity", "perplexity"),
+             ("eval_token_accuracy", "token accuracy"), ("eval_rewards/accuracies", "reward accuracy"),
+             ("eval_rewards/margins", "reward margin")]
+    parts = [f"{label} {metrics[key + suffix]:.4f}" for key, label in names if key + suffix in metrics]
+    return ", ".join(parts)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
 from .parsing.arguments import LisaArguments, ModelArguments, lisa_config_kwargs
@@ -33,28 +32,15 @@ def resolve_model_path(model_args: ModelArguments) -> tuple[str, str]:
 
 
 def load_model_and_tokenizer(model_args: ModelArguments, path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """``(model, tokenizer)`` of ``path`` with the command's model options: the library's
+    :func:`hf_lisa.models.load_model_and_tokenizer` (the quantization options were checked when parsed)."""
+    from ..models import load_model_and_tokenizer as load
 
-    dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
-    kwargs = dict(
-        revision=model_args.model_revision,
-        cache_dir=model_args.cache_dir,
-        trust_remote_code=model_args.trust_remote_code,
+    return load(
+        path, dtype=model_args.torch_dtype, quantization_config=bnb_config(model_args),
+        tokenizer_name=model_args.tokenizer_name, revision=model_args.model_revision, cache_dir=model_args.cache_dir,
+        trust_remote_code=model_args.trust_remote_code, attn_implementation=model_args.attn_implementation,
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or path, **kwargs)
-    quantization = bnb_config(model_args)  # --load_in_4bit / --load_in_8bit, else None
-    if quantization is not None:
-        kwargs["quantization_config"] = quantization
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=model_args.attn_implementation, **kwargs
-    )
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"The tokenizer of {path!r} has neither a pad nor an EOS token; set tokenizer.pad_token.")
-        tokenizer.pad_token = tokenizer.eos_token
-    if getattr(model.generation_config, "pad_token_id", None) is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
 
 
 def _always_trainable(lisa_args: LisaArguments) -> list[str]:

@@ -18,13 +18,12 @@ from typing import Any, Optional
 
 from ..errors import UsageError
 from ..methods import get_method, method_names
+from ..models import BNB_4BIT_QUANT_TYPES, COMPUTE_DTYPES
 
 logger = logging.getLogger("hf_lisa.train")
 
 #: the methods that train adapters beside the frozen base, and so work on a quantized one
 QUANTIZABLE_METHODS = method_names(lambda m: m.is_adapter)
-BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def quantization_fields() -> list[tuple[str, Any, dataclasses.Field]]:
@@ -98,22 +97,17 @@ def check_quantization(model_args, lisa_args) -> None:
 
 
 def bnb_config(model_args):
-    """The ``transformers.BitsAndBytesConfig`` that ``model_args`` asks for, or ``None`` for an unquantized base."""
+    """The ``transformers.BitsAndBytesConfig`` that ``model_args`` asks for (:func:`hf_lisa.models.quantization_config`,
+    after :func:`check_quantization`), or ``None`` for an unquantized base."""
+    from ..models import quantization_config
+
     if not is_quantized(model_args):
         return None
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if model_args.load_in_8bit:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    compute = model_args.bnb_4bit_compute_dtype
-    if compute is None:
-        compute = model_args.torch_dtype if model_args.torch_dtype in COMPUTE_DTYPES else "float32"
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,
-        bnb_4bit_compute_dtype=getattr(torch, compute),
-        bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+    four = model_args.load_in_4bit
+    return quantization_config(
+        four, model_args.load_in_8bit, dtype=model_args.torch_dtype,
+        **(dict(quant_type=model_args.bnb_4bit_quant_type, compute_dtype=model_args.bnb_4bit_compute_dtype,
+                nested_quant=model_args.use_bnb_nested_quant) if four else {}),
     )
 
 

@@ -13,14 +13,8 @@ import torch
 from ..errors import WHILE_RUNNING
 from ..methods import get_method
 from .parsing.arguments import DataArguments, LisaArguments, ModelArguments, parse_args
-from .console import use_compact_console
-from .evaluation import (
-    _metrics_line,
-    compute_metrics,
-    generation_exact_match,
-    generation_rows,
-    preprocess_logits_for_metrics,
-)
+from .console import metrics_line, use_compact_console
+from ..evaluation import compute_metrics, generation_exact_match, generation_rows, preprocess_logits_for_metrics
 from ..optim.memory import apply_cpu_allocator
 from .methods import apply_method, lisa_knobs, load_model_and_tokenizer, resolve_model_path
 from .outputs import (
@@ -180,8 +174,7 @@ def _load_data(model_args, data_args, training_args, stage: str = SFT):
     # options, formats, a validation file against the training file, mixed formats: before the model loads
     raw.check(lambda part: data_lib.check_data(
         part, data_args.max_seq_length, data_format=data_args.data_format, overlength=data_args.overlength,
-        on_bad_row=data_args.on_bad_row, columns=data_lib.Columns(
-            data_args.prompt_column, data_args.completion_column, data_args.messages_column, data_args.text_column),
+        on_bad_row=data_args.on_bad_row, columns=data_args.columns(),
     ))  # each source on its own (hf_lisa.data.training_data)
     return raw, bundled, held_out
 
@@ -234,8 +227,8 @@ class _Run:
         n_gen = data_args.eval_generation_samples or 0
         for validation, data_format in self.raw.validation_splits() if n_gen else ():  # each source's, in order
             if data_format != "text" and len(self.gen_rows) < n_gen:  # text rows have no answer
-                self.gen_rows += generation_rows(validation, data_format, data_args, n_gen - len(self.gen_rows),
-                                                 chat=self.chat)
+                self.gen_rows += generation_rows(validation, data_format, n_gen - len(self.gen_rows),
+                                                 chat=self.chat, columns=data_args.columns())
 
     def _build_preference(self, model) -> None:
         """``--stage dpo``: the rows checked and converted (TRL's ``DPOTrainer`` tokenises them), the reference model
@@ -329,7 +322,7 @@ class _Run:
             if trainer.is_world_process_zero():
                 logger.info("exact match %s training: %.3f; e.g. %r -> %r", "before" if suffix else "after", score,
                             samples[0]["prompt"], samples[0]["generation"])
-        line = _metrics_line(metrics, suffix)
+        line = metrics_line(metrics, suffix)
         if trainer.is_world_process_zero() and line:
             print(f"[{SUMMARY_PREFIX}] {label}{line}", flush=True)
 

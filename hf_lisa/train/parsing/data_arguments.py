@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ...data.validation import Columns
+
 __all__ = ["DataArguments", "check_data_arguments"]
 
 
@@ -156,6 +158,10 @@ class DataArguments:
     demo_train_samples: int = field(
         default=2000, metadata={"help": "Rows generated for the bundled task's train split."}
     )
+
+    def columns(self) -> Columns:
+        """The rows' column names (``--prompt_column``, ``--completion_column`` and the like)."""
+        return Columns(self.prompt_column, self.completion_column, self.messages_column, self.text_column)
 
 
 def check_data_arguments(data_args: DataArguments) -> None:

@@ -1,7 +1,14 @@
 """Evaluation: token accuracy and perplexity from the eval loop, exact match of greedy generations.
 
-The three metrics are plain NumPy functions (:func:`accuracy`, :func:`perplexity`, :func:`exact_match`); the
-``Trainer`` calls :func:`compute_metrics`, and :func:`generation_exact_match` scores greedy generations.
+The three metrics are plain NumPy functions (:func:`accuracy`, :func:`perplexity`, :func:`exact_match`): nothing is
+fetched from the Hub. A ``Trainer`` takes :func:`compute_metrics` with :func:`preprocess_logits_for_metrics` (as
+``hf-lisa train`` passes them); :func:`generation_rows` turns validation rows of any supported format into prompts and
+references, and :func:`generation_exact_match` greedy-decodes them and scores the answers::
+
+    from hf_lisa.evaluation import generation_exact_match, generation_rows
+
+    rows = generation_rows(validation_split, "prompt_completion", limit=32)
+    score, samples = generation_exact_match(model, tokenizer, rows, chat=True, answer_pattern=r"(-?\d+)")
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .parsing.arguments import DataArguments
+from .data.validation import Columns
 
-logger = logging.getLogger("hf_lisa.train")
+logger = logging.getLogger(__name__)
+
+__all__ = ["accuracy", "compute_metrics", "exact_match", "extract_answer", "generation_exact_match", "generation_rows",
+           "perplexity", "preprocess_logits_for_metrics"]
 
 
 def preprocess_logits_for_metrics(logits: torch.Tensor, labels: torch.Tensor):
@@ -38,7 +48,7 @@ def accuracy(predictions: Sequence, references: Sequence) -> float:
 
     Example:
         ```py
-        >>> from hf_lisa.train.evaluation import accuracy
+        >>> from hf_lisa.evaluation import accuracy
         >>> accuracy([0, 1, 1, 0], [0, 1, 0, 0])
         0.75
         ```
@@ -55,7 +65,7 @@ def perplexity(token_nll: Sequence[float]) -> float:
     Example:
         ```py
         >>> import math
-        >>> from hf_lisa.train.evaluation import perplexity
+        >>> from hf_lisa.evaluation import perplexity
         >>> round(perplexity([math.log(4), math.log(4)]), 6)
         4.0
         ```
@@ -71,7 +81,7 @@ def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
 
     Example:
         ```py
-        >>> from hf_lisa.train.evaluation import exact_match
+        >>> from hf_lisa.evaluation import exact_match
         >>> exact_match(["12", " 7"], ["12", "8"])
         0.5
         ```
@@ -100,20 +110,22 @@ def compute_metrics(eval_pred) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------------
 # Generation-based exact match
 # ----------------------------------------------------------------------------------------------------------------------
-def generation_rows(raw_validation, data_format: str, data_args: DataArguments, limit: int,
-                    chat: bool = True) -> list[dict]:
+def generation_rows(raw_validation, data_format: str, limit: int, chat: bool = True,
+                    columns: Optional[Columns] = None) -> list[dict]:
     """``[{"messages": [...] or "prompt": str, "reference": str}]`` for up to ``limit`` validation rows.
+
+    ``data_format`` is a format of :data:`hf_lisa.data.DATA_FORMATS` other than ``auto`` (what
+    :func:`hf_lisa.data.detect_format` or :func:`hf_lisa.data.tokenize_datasets` found); ``columns`` names columns
+    other than the format's own (``hf-lisa train``'s ``--prompt_column`` and the like).
 
     Rows that training would skip (see :func:`hf_lisa.data.formats.check_row`) are skipped here too, so a
     malformed validation row never reaches generation. Alpaca and ShareGPT rows are prompted as training renders them
     (:func:`hf_lisa.data.formats.canonical_row`; ``chat``: whether a chat template is used): the last assistant turn
     (Alpaca's output) is the reference.
     """
-    from ..data.formats import CONVERTED_FORMATS, canonical_row, check_row
-    from ..data.validation import Columns
+    from .data.formats import CONVERTED_FORMATS, canonical_row, check_row
 
-    given = Columns(data_args.prompt_column, data_args.completion_column, data_args.messages_column,
-                    data_args.text_column)
+    given = columns or Columns()
     rows = []
     for row in raw_validation:
         if len(rows) >= limit:
@@ -209,10 +221,3 @@ def generation_exact_match(
     score = exact_match([s["prediction"] for s in samples], [s["reference"] for s in samples])
     return score, samples
 
-
-def _metrics_line(metrics: dict, suffix: str) -> str:
-    names = [("eval_exact_match", "exact match"), ("eval_loss", "eval loss"), ("eval_perplexity", "perplexity"),
-             ("eval_token_accuracy", "token accuracy"), ("eval_rewards/accuracies", "reward accuracy"),
-             ("eval_rewards/margins", "reward margin")]
-    parts = [f"{label} {metrics[key + suffix]:.4f}" for key, label in names if key + suffix in metrics]
-    return ", ".join(parts)
