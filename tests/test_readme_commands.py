@@ -24,16 +24,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHELL_FENCES = ("```bash", "```sh", "```shell", "```console")
-MAKE_TARGETS = ("demo", "test", "install", "bench", "bench-value", "test-distributed")
+MAKE_TARGETS = ("demo", "test", "install", "bench", "bench-value", "bench-study", "test-distributed")
 
 #: each README command (whitespace normalised) -> (tests that run it, what they run differently)
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "make demo": ((), "make target: run as written by the reader"),
     "make test": ((), "make target: run as written by CI (.ci/run)"),
-    "make bench-value": (
-        ("tests/test_benchmark_tasks.py::test_value_study_selects_the_best_rate_and_aggregates_seeds",),
-        "benchmarks/value.py, what `make bench-value` runs, on a tiny llama, the classification task, 2 methods, "
-        "2 rates, 2 seeds, 2 steps, in one process",
+    "make bench-study": (
+        ("tests/test_study.py::test_real_runs_record_losses_coverage_and_resume_from_the_file",
+         "tests/test_study.py::test_the_grid_extends_until_the_best_rate_is_interior_then_the_seeds_run_at_it"),
+        "benchmarks/study.py, what `make bench-study` runs, under its tiny preset (a tiny llama, a few steps); the "
+        "grid's extension and the seeds planned on recorded results",
     ),
     "accelerate launch -m hf_lisa.train examples/configs/smollm2_lisa.yaml": (
         ("tests/test_train_cli.py::test_accelerate_launch_runs_the_module_with_a_yaml_config",
