@@ -1,7 +1,8 @@
 """When does LISA win? A study that can decide (issue 37), on the public API only.
 
 Every run is one plain ``transformers.Trainer`` in its own process, built the way a user would build it: PEFT's
-``LoraConfig`` for LoRA, ``hf_lisa.trainer_callbacks.LisaCallback`` for full-parameter LISA, ``badam.BlockOptimizer``
+``LoraConfig`` for LoRA, ``hf_lisa.trainer_callbacks.LisaCallback`` for full-parameter LISA, ``hf_lisa.LisaConfig``
+with ``LisaAdapterCallback`` for the sampled LISA adapter, ``badam.BlockOptimizer``
 and transformers' ``optim="galore_adamw"`` for the peers, nothing at all for full fine-tuning. Nothing here imports a
 non-public name of ``hf_lisa``.
 
@@ -87,7 +88,7 @@ class Method:
     runs once, at its parent's best rate; ``min_steps``: below this T the method is out of its regime (not ranked)."""
 
     name: str
-    kind: str  # "lora", "lisa", "full", "badam", "galore"
+    kind: str  # "lora", "lisa", "lisa-adapter", "full", "badam", "galore"
     grid: tuple[float, ...]
     options: tuple[tuple[str, Any], ...] = ()
     parent: Optional[str] = None
@@ -117,6 +118,10 @@ def methods_for(steps: int) -> dict[str, Method]:
         Method("lisa-k5", "lisa", FULL_GRID, (("gamma", 2), ("K", 5)), note="LisaCallback γ=2, K=5 (E+H train)"),
         Method(f"lisa-k{k_long}", "lisa", FULL_GRID, (("gamma", 2), ("K", k_long)),
                note=f"LisaCallback γ=2, K=T/10={k_long} (the paper's best ablation ratio)"),
+        Method(f"lisa-adapter-k{k_long}", "lisa-adapter", ADAPTER_GRID,
+               (("r", 16), ("alpha", 32), ("gamma", 2), ("K", k_long)),
+               note=f"LisaConfig r=16, α=32 on every linear layer, γ=2 blocks' adapters train, K={k_long}, dense "
+                    "(the sampled LISA adapter: its own rate, issue 37 item 3)"),
         Method("badam", "badam", FULL_GRID, (("K", BADAM_K),), min_steps=2 * BADAM_K,
                note=f"badam.BlockOptimizer, one block at a time, switch_block_every={BADAM_K}, random order"),
         Method("galore", "galore", FULL_GRID, (("rank", 128), ("gap", GALORE_GAP), ("scale", 0.25)),

@@ -156,6 +156,16 @@ def build(method, model, lr: float, seed: int, steps: int) -> tuple[Any, list, t
         callback = LisaCallback(lisa_activated_layers=method.option("gamma"), lisa_interval_steps=method.option("K"),
                                 seed=seed, **({} if always is None else {"lisa_always_trainable": ()}))
         return model, [callback], (None, None), {}
+    if kind == "lisa-adapter":
+        from peft import get_peft_model
+
+        import hf_lisa
+        from hf_lisa.trainer_callbacks import LisaAdapterCallback
+
+        config = hf_lisa.LisaConfig(r=method.option("r"), lisa_alpha=method.option("alpha"), target_modules="all-linear",
+                                    lisa_activated_layers=method.option("gamma"),
+                                    lisa_interval_steps=method.option("K"), task_type="CAUSAL_LM")
+        return get_peft_model(model, config), [LisaAdapterCallback(seed=seed)], (None, None), {}
     if kind == "badam":
         from badam import BlockOptimizer
 

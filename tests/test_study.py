@@ -113,12 +113,12 @@ def test_the_interval_is_students_t():
 def test_real_runs_record_losses_coverage_and_resume_from_the_file(tmp_path):
     model = build_tiny_lm_dir(tmp_path / "model", num_layers=4)
     out = tmp_path / "res" / "t.jsonl"
-    for method in ("lora", "lisa-k5", "full"):
+    for method in ("lora", "lisa-k5", "full", "lisa-adapter-k1"):
         run = json.dumps({"method": method, "lr": 3e-3, "seed": 0, "preset": "tiny"})
         subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--preset", "tiny", "--model",
                         model, "--out", str(out), "--run-one", run], check=True, capture_output=True, cwd=tmp_path)
     records = study.read_results(out)
-    assert len(records) == 3
+    assert len(records) == 4
     for record in records.values():
         assert [e["step"] for e in record["evals"]] == [0, 3, 6]
         # every method starts from the same weights and moves away from them
@@ -129,6 +129,9 @@ def test_real_runs_record_losses_coverage_and_resume_from_the_file(tmp_path):
     # γ = 2 blocks in each of 6 steps; K = 5 switches once, at step 5
     assert sum(lisa["steps_per_block"].values()) == 12 and 2 <= lisa["distinct_blocks"] <= 4
     assert records["tiny|lora|0.003|0"]["coverage"]["steps_per_block"] == {str(b): 6 for b in range(4)}
+    # the sampled LISA adapter (γ = 2, K = T/10 = 1): two blocks' adapters in each of 6 steps, redrawn every step
+    adapter = records["tiny|lisa-adapter-k1|0.003|0"]["coverage"]
+    assert sum(adapter["steps_per_block"].values()) == 12 and adapter["distinct_blocks"] >= 3
     # the planner sees what ran: those three rates are not planned again
     planned = {run.key for run in study.plan("tiny", records)}
     assert not planned & set(records)
