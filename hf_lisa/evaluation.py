@@ -13,7 +13,6 @@ references, and :func:`generation_exact_match` greedy-decodes them and scores th
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from typing import Optional, Sequence
@@ -23,8 +22,6 @@ import torch
 from torch import nn
 
 from .data.validation import Columns
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["accuracy", "compute_metrics", "exact_match", "extract_answer", "generation_exact_match", "generation_rows",
            "perplexity", "preprocess_logits_for_metrics"]

@@ -158,7 +158,9 @@ def quantization_config(
             ("quant_type", quant_type, "nf4"), ("compute_dtype", compute_dtype, None), ("nested_quant", nested_quant, False),
         ) if value != default]
         if given:
-            raise ValueError(f"{', '.join(given)} only applies with load_in_4bit=True; set it or remove them.")
+            one = len(given) == 1
+            raise ValueError(f"{', '.join(given)} only appl{'ies' if one else 'y'} with load_in_4bit=True; pass "
+                             f"load_in_4bit=True or leave {'it' if one else 'them'} out.")
     if not (load_in_4bit or load_in_8bit):
         return None
     import torch
@@ -200,7 +202,8 @@ def load_model_and_tokenizer(
 
     path = default_model_path() if model_name_or_path is None else model_name_or_path
     if dtype != "auto" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
-        raise ValueError(f"dtype={dtype!r} is not a torch dtype; allowed: 'auto', 'float32', 'bfloat16', 'float16'.")
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype; allowed: 'auto' or the name of one, such as "
+                         "'float32', 'bfloat16', 'float16'.")
     kwargs = dict(revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or path, **kwargs)
     if quantization_config is not None:

@@ -45,7 +45,7 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_generation_learns_it(ti
 
 
 def test_a_dtype_torch_does_not_have_is_refused_by_name(tiny_dir):
-    with pytest.raises(ValueError, match=r"dtype='float33' is not a torch dtype; allowed: 'auto', 'float32'"):
+    with pytest.raises(ValueError, match=r"dtype='float33' is not a torch dtype; allowed: 'auto' or the name of one"):
         load_model_and_tokenizer(tiny_dir, dtype="float33")
     with pytest.raises(ValueError, match=r"dtype='Tensor' is not a torch dtype"):
         load_model_and_tokenizer(tiny_dir, dtype="Tensor")  # a torch attribute, but no dtype
@@ -60,6 +60,8 @@ def test_quantization_settings_that_cannot_take_effect_are_refused():
          r"compute_dtype='float64' is invalid; allowed: float32, bfloat16, float16"),
         (dict(load_in_8bit=True, quant_type="fp4"), r"quant_type='fp4' only applies with load_in_4bit=True"),
         (dict(nested_quant=True), r"nested_quant=True only applies with load_in_4bit=True"),
+        (dict(quant_type="fp4", nested_quant=True),
+         r"quant_type='fp4', nested_quant=True only apply with load_in_4bit=True; pass load_in_4bit=True or leave them"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
