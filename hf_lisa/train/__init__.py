@@ -38,11 +38,11 @@ The application, in the order a run uses it (its library face is :mod:`hf_lisa.t
 * :mod:`.preflight`: the model's ``config.json`` and a ``meta``-device model checked before any weights load;
 * :mod:`hf_lisa.data`: training files checked line by line, then tokenised rows (prompt/completion, chat messages,
   plain text), preference pairs for ``--stage dpo``;
-* :mod:`.methods`, :mod:`.quantization`: model loading and the ``--method`` wrapping;
+* :mod:`.methods`, :mod:`.quantization`: the model loaded (:mod:`hf_lisa.models`) and the ``--method`` wrapping;
 * the ``Trainer``: the library face's :class:`hf_lisa.trainer.LisaTrainer` (layer-wise learning-rate decay, atomic
   checkpoints), its settings parsed into :class:`~.run_folder.output_dir.RunTrainingArguments`, a
   :class:`hf_lisa.trainer.LisaTrainingArguments`; :mod:`.dpo`: ``--stage dpo`` through TRL's ``DPOTrainer``;
-* :mod:`.evaluation`: token metrics and generation exact match;
+* :mod:`hf_lisa.evaluation`: token metrics and generation exact match;
 * :mod:`.outputs`, :mod:`.console`: summary, loss plot, final model (staged, then renamed into place), model card;
 * :mod:`.run`: ``run()`` and ``main()``; ``python -m hf_lisa.train`` goes through ``hf_lisa.cli.main`` (one error
   policy: a one-line message, exit status 2 for usage errors, 1 at runtime, 130 on Ctrl-C; ``--debug`` for the
