@@ -103,11 +103,10 @@ def bnb_config(model_args):
 
     if not is_quantized(model_args):
         return None
-    four = model_args.load_in_4bit
     return quantization_config(
-        four, model_args.load_in_8bit, dtype=model_args.torch_dtype,
-        **(dict(quant_type=model_args.bnb_4bit_quant_type, compute_dtype=model_args.bnb_4bit_compute_dtype,
-                nested_quant=model_args.use_bnb_nested_quant) if four else {}),
+        model_args.load_in_4bit, model_args.load_in_8bit, quant_type=model_args.bnb_4bit_quant_type,
+        compute_dtype=model_args.bnb_4bit_compute_dtype, nested_quant=model_args.use_bnb_nested_quant,
+        dtype=model_args.torch_dtype,
     )
 
 
