@@ -13,7 +13,8 @@ A method is described by what it *is*, not by a branch per name elsewhere:
 * ``defaults``: the settings whose default depends on the method (γ: 2 blocks for full-parameter LISA, which needs at
   least one; 0 for the adapter form, where every block's adapter trains and no schedule is needed);
 * ``learning_rate``: ``hf-lisa train``'s learning rate when neither the command line nor the config file sets one
-  (``None``: the Trainer's 5e-5). Chosen on the value study (``benchmarks/value.py``; docs/benchmarks.md).
+  (``None``: the Trainer's 5e-5), and ``sampled_learning_rate`` the LISA adapter's when its schedule samples blocks
+  (γ >= 1). Each is the method's best in the T = 300 study (``make bench-study``; the constants below cite the rows).
 
 A new method is one more :class:`Method` in :data:`METHODS`; ``hf_lisa.trainer.methods.setup_method`` builds it from
 these fields.
@@ -38,12 +39,23 @@ from .errors import UsageError
 FULL_LISA_ACTIVATED_LAYERS = 2
 #: γ of LISA adapters when none is given: every block's adapter trains, no layer schedule
 ADAPTER_ACTIVATED_LAYERS = 0
-#: the learning rate of the adapter methods when none is given: LoRA's best of {2e-4, 5e-4, 1.5e-3} on all three
-#: tasks of the value study (the Trainer's 5e-5 is below every rate it tried; docs/benchmarks.md)
-ADAPTER_LEARNING_RATE = 5e-4
-#: full-parameter LISA's learning rate when none is given: its best of {3e-5, 1e-4, 3e-4} was 1e-4 on two tasks of the
-#: value study and 3e-4 on the third; 3e-5, the closest to the Trainer's 5e-5, was the worst on all three
-FULL_LISA_LEARNING_RATE = 1e-4
+#: The learning rates ``hf-lisa train`` uses when none is given, one per method and form. Each is the method's best rate
+#: in the T = 300 study (issue 37; ``benchmarks/results/study/study-cpu.md``, "Rate selection": SmolLM2-135M, the
+#: instruction task, 300 steps of batch 4, warmup then cosine, chosen on the selection half at seed 0 from a ×3 grid
+#: extended until the best was interior; `make bench-study`). A larger model usually wants a lower rate: pass
+#: ``--learning_rate``.
+#:
+#: LoRA (all-linear r=16 α=32): 1e-3 (1e-4: 0.262, 3e-4: 0.175, 1e-3: 0.143, 3e-3: 0.234). DoRA and the dense LISA
+#: adapter (γ = 0, every block's r-16 adapter trains: LoRA's shape) follow LoRA's row; neither was studied on its own.
+ADAPTER_LEARNING_RATE = 1e-3
+#: the LISA adapter with a layer schedule (γ >= 1, sampled blocks): 3e-3 (1e-4: 1.126, 3e-4: 0.590, 1e-3: 0.332,
+#: 3e-3: 0.266, 1e-2: 0.477; γ = 2, K = 30), 3× LoRA's: each block's adapter trains only while it is drawn
+SAMPLED_ADAPTER_LEARNING_RATE = 3e-3
+#: full-parameter LISA: 3e-4 at both K = 5 and K = 30 (K = 30: 1e-5: 0.898, 3e-5: 0.470, 1e-4: 0.236, 3e-4: 0.189,
+#: 1e-3: 0.305)
+FULL_LISA_LEARNING_RATE = 3e-4
+#: full fine-tuning: 1e-4 (1e-5: 0.249, 3e-5: 0.171, 1e-4: 0.141, 3e-4: 0.209); the Trainer's 5e-5 was below it
+FULL_LEARNING_RATE = 1e-4
 
 
 #: LoRA's and DoRA's targets when none are given: every linear layer but the output head (PEFT's "all-linear"), the
@@ -81,6 +93,8 @@ class Method:
     schedule: Optional[str] = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     learning_rate: Optional[float] = None
+    #: the learning rate when the method's layer schedule samples blocks (γ >= 1; ``None``: ``learning_rate``)
+    sampled_learning_rate: Optional[float] = None
     #: ``lisa_alpha`` (LoRA's ``lora_alpha``) when it is not given: this many times ``r``
     alpha_per_rank: Optional[float] = None
 
@@ -119,12 +133,12 @@ METHODS: Mapping[str, Method] = MappingProxyType({m.name: m for m in (
     Method("lisa-adapter", "LISA adapters: sparse low-rank updates, layerwise sampled",
            "LISA PEFT adapters: sparsity, interpolation, sampling", adapter_type="LISA", schedule="adapter",
            defaults=MappingProxyType({"lisa_activated_layers": ADAPTER_ACTIVATED_LAYERS}),
-           learning_rate=ADAPTER_LEARNING_RATE),
+           learning_rate=ADAPTER_LEARNING_RATE, sampled_learning_rate=SAMPLED_ADAPTER_LEARNING_RATE),
     Method("lora", "LoRA", "PEFT LoRA", adapter_type="LORA", learning_rate=ADAPTER_LEARNING_RATE,
            defaults=LORA_DEFAULTS, alpha_per_rank=LORA_ALPHA_PER_RANK),
     Method("dora", "DoRA", "PEFT DoRA (LoRA with use_dora)", adapter_type="LORA", use_dora=True,
            learning_rate=ADAPTER_LEARNING_RATE, defaults=LORA_DEFAULTS, alpha_per_rank=LORA_ALPHA_PER_RANK),
-    Method("full", "full fine-tuning", "every weight trains"),
+    Method("full", "full fine-tuning", "every weight trains", learning_rate=FULL_LEARNING_RATE),
 )})
 #: the method ``hf-lisa train`` runs when none is given
 DEFAULT_METHOD = "lisa"

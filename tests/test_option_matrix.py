@@ -229,6 +229,26 @@ def test_learning_rate_defaults_to_the_methods_own_below_file_and_command_line(t
     assert parse_args(out, defaults={"learning_rate": 2e-4})[3].learning_rate == 2e-4  # what the demo passes
 
 
+def test_each_method_and_form_defaults_to_its_study_rate(tmp_path):
+    """Issue 37: a rate per method and form, each the method's best in the T = 300 study (docs/training.md cites the
+    rows); a LISA adapter that samples blocks (γ >= 1, however γ was given) has its own; a typed rate decides."""
+    out = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--method"]
+    rate = lambda *argv: parse_args(list(argv))[3].learning_rate  # noqa: E731
+    assert {m: rate(*out, m) for m in ("lora", "dora", "lisa-adapter", "lisa", "full")} == {
+        "lora": 1e-3, "dora": 1e-3, "lisa-adapter": 1e-3, "lisa": 3e-4, "full": 1e-4}
+    assert rate(*out, "lisa-adapter", "--lisa_activated_layers", "2") == 3e-3
+    assert rate(*out, "lisa-adapter", "--lisa_activated_layers=1") == 3e-3
+    assert rate(*out, "lisa-adapter", "--lisa_activated_layers", "0") == 1e-3
+    assert rate(*out, "lisa-adapter", "--lisa_activated_layers", "2", "--learning_rate", "5e-4") == 5e-4
+    config = tmp_path / "c.yaml"
+    for key in ("lisa_activated_layers", "lisa_n_layers"):  # ours and axolotl's name for γ, from a file
+        config.write_text(yaml.safe_dump({"method": "lisa-adapter", key: 2}))
+        assert rate(str(config), *out[:4]) == 3e-3, key
+    config.write_text(yaml.safe_dump({"method": "lisa-adapter", "lisa_activated_layers": 2, "learning_rate": 2e-3}))
+    assert rate(str(config), *out[:4]) == 2e-3
+    assert rate(*out, "lora", "--stage", "dpo") == 1e-6  # DPO's rate whatever the method
+
+
 def test_adapters_default_to_a_higher_learning_rate_than_full_parameter_methods(tmp_path):
     """The value study's finding (docs/benchmarks.md): adapters need a higher rate than the Trainer's 5e-5."""
     from hf_lisa.methods import METHODS as TABLE

@@ -52,7 +52,7 @@ def _tokenize(data, max_seq_length=64, **kwargs):
 
 
 # -- item 4: YAML null is "not set" ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method, rate", [("lora", 5e-4), ("lisa", 1e-4)])
+@pytest.mark.parametrize("method, rate", [("lora", 1e-3), ("lisa", 3e-4), ("full", 1e-4)])
 def test_yaml_null_learning_rate_is_the_methods_default(tmp_path, method, rate):
     config = tmp_path / "run.yaml"
     config.write_text(f"method: {method}\nlearning_rate: null\nlisa_activated_layers: null\n")

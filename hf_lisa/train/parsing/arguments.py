@@ -303,12 +303,16 @@ def build_parser(defaults: Optional[Mapping[str, Any]] = None, source: str = "de
     for action in parser._actions:  # the peers' names for it (hf_lisa.option_aliases), which parse_args translates
         if action.help and help_note(action.dest):
             action.help += help_note(action.dest)
-    own = {name: m.learning_rate for name, m in METHODS.items() if m.learning_rate is not None}
+    own = [f"{name} {m.learning_rate:g}" + (f" ({m.sampled_learning_rate:g} with --lisa_activated_layers >= 1)"
+                                             if m.sampled_learning_rate is not None else "")
+           for name, m in METHODS.items() if m.learning_rate is not None]
     if own and "learning_rate" not in defaults:
         action = next(a for a in parser._actions if a.dest == "learning_rate")
-        action.help = (f"The initial learning rate for the optimizer. Default: each method's own "
-                       f"({', '.join(f'{n} {v:g}' for n, v in own.items())}; the others %(default)s; with --stage "
-                       "dpo 1e-06, TRL's DPO default), below a config file's value and the command line's.")
+        others = ("; TrainingArguments' %(default)s is used by none" if len(own) == len(METHODS)
+                  else "; the others %(default)s")  # "%(default)" in the text: argparse appends no "(default: ...)"
+        action.help = (f"The initial learning rate for the optimizer. Default: each method's own, its best in the "
+                       f"study of docs/benchmarks.md ({', '.join(own)}{others}; with --stage dpo 1e-06, TRL's DPO "
+                       "default), below a config file's value and the command line's.")
     return parser
 
 
@@ -342,7 +346,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[Mapping[
     argv = attach_negative_values(argv)
     known = parser.parse_known_args(argv)[0]
     check_deepspeed_file(getattr(known, "deepspeed", None))
-    rate = method_learning_rate(getattr(known, "method", None))
+    rate = method_learning_rate(getattr(known, "method", None), getattr(known, "lisa_activated_layers", None))
     if getattr(known, "stage", None) == "dpo":
         rate = DPO_LEARNING_RATE  # the SFT rates are 100-500x TRL's DPO default (issue 37); no DPO run of ours beats it
     if rate is not None and values.get("learning_rate") is None and not _on_command_line(argv, "learning_rate"):
@@ -391,11 +395,19 @@ def typed_options(parser, argv: Sequence[str], file_values: Mapping[str, Any]) -
 DPO_LEARNING_RATE = 1e-6
 
 
-def method_learning_rate(name: Any) -> Optional[float]:
+def method_learning_rate(name: Any, activated_layers: Any = None) -> Optional[float]:
     """The learning rate method ``name`` trains with when none is given (``None``: the Trainer's default, or an
-    unknown name, which validation refuses later)."""
+    unknown name, which validation refuses later). ``activated_layers``: γ as given (``None``: the method's default);
+    a LISA adapter whose schedule samples blocks (γ >= 1) has a rate of its own (``hf_lisa.methods``)."""
     method = METHODS.get(name) if isinstance(name, str) else None
-    return method.learning_rate if method is not None else None
+    if method is None:
+        return None
+    if activated_layers is None:
+        activated_layers = method.defaults.get("lisa_activated_layers")
+    sampled = isinstance(activated_layers, int) and not isinstance(activated_layers, bool) and activated_layers >= 1
+    if method.sampled_learning_rate is not None and sampled:
+        return method.sampled_learning_rate
+    return method.learning_rate
 
 
 def _on_command_line(argv: Sequence[str], name: str) -> bool:
