@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.hf-lisa-installed
 
-.PHONY: install demo test test-distributed test-fast test-compat check-peer-install lint clean bench bench-peers bench-levers bench-fair-lr bench-scaling bench-value bench-study bench-study-memory
+.PHONY: install demo test test-distributed test-fast test-compat check-peer-install lint clean bench bench-peers bench-levers bench-scaling bench-study bench-study-memory
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -89,21 +89,13 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(PY) benchmarks/compare.py --preset cpu-small --eval-every 20 --methods peers
 
-# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the cpu-small preset: 8 runs, 26 min on 2 CPU cores
+# LISA's levers one at a time (E+H frozen, samplers, γ, K) on the study's protocol: the config
+# benchmarks/configs/levers.json run by the study's harness, 9 runs of ~10 min on one core; resumes like bench-study
 bench-levers: $(STAMP)
-	$(PY) benchmarks/sweep.py --study levers
+	$(PY) benchmarks/study.py --config benchmarks/configs/levers.json --preset cpu
 
-# full, LoRA, DoRA, LISA, LISA adapter, each at three learning rates, compared at its best (cpu-small preset):
-# 15 runs, 56 min on 2 CPU cores
-bench-fair-lr: $(STAMP)
-	$(PY) benchmarks/sweep.py --study fair-lr
-
-# the value study (benchmarks/value.py): LoRA, LISA, the LISA adapter, BAdam and GaLore on the arithmetic,
-# instruction and classification tasks, best of 3 learning rates, 3 seeds, 30 steps: ~80 min on 2 CPU cores
-bench-value: $(STAMP)
-	$(PY) benchmarks/value.py --preset cpu
-
-# the study of issue 37 (benchmarks/study.py, public API only): T=300 on the instruction task, each method's grid
+# the study of issue 37 (benchmarks/study.py, the one harness of training studies, on hf-lisa's public API; its
+# methods, grids and presets: benchmarks/configs/study.json): T=300 on the instruction task, each method's grid
 # extended until its best rate is interior, 4 reported seeds with 95% intervals, diagnostics; ~7 CPU-hours on 2 cores.
 # Results are appended run by run to benchmarks/results/study/study-cpu.jsonl: rerun to continue; the report is
 # rewritten at the end (or with --report). `make bench-study-memory`: the 1024-token memory table.

@@ -164,7 +164,7 @@ class Preset:
             fixed: freed tensors leave the heap; slower).
         chunked_loss: ``hf-lisa train``'s ``--chunked_loss`` for every method.
         lisa_extra: further ``LisaArguments`` fields as ``(name, value)`` pairs, applied to every method after its
-            own overrides (``benchmarks/sweep.py`` uses it for one-lever-at-a-time studies).
+            own overrides (one-lever-at-a-time variants of a method).
     """
 
     name: str

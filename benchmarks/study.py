@@ -1,4 +1,9 @@
-"""When does LISA win? A study that can decide (issue 37), on the public API only.
+"""The harness of training studies, on the public API only; its first study: when does LISA win? (issue 37)
+
+A study is data: a JSON file of ``benchmarks/configs/`` (:func:`load_config`: presets, learning-rate grids, methods
+with their options, the memory table), run by this one harness (``--config``; default ``configs/study.json``, issue
+37's; ``configs/levers.json`` is LISA's levers on the same protocol), the way PEFT's ``method_comparison`` runs its
+experiment folders. A method is one of :data:`KINDS`, built in ``benchmarks/study_run.build``.
 
 Every run is one plain ``transformers.Trainer`` in its own process, built the way a user would build it: PEFT's
 ``LoraConfig`` for LoRA, ``hf_lisa.trainer_callbacks.LisaCallback`` for full-parameter LISA, ``hf_lisa.LisaConfig``
@@ -6,7 +11,7 @@ with ``LisaAdapterCallback`` for the sampled LISA adapter, ``badam.BlockOptimize
 and transformers' ``optim="galore_adamw"`` for the peers, nothing at all for full fine-tuning. Nothing here imports a
 non-public name of ``hf_lisa``.
 
-Protocol (``--preset cpu``; ``--preset gpu`` is the same at 1000 steps, batch 16, 16K rows):
+Protocol of ``configs/study.json`` (``--preset cpu``; ``--preset gpu`` is the same at 1000 steps, batch 16, 16K rows):
 
 * the instruction task (``benchmarks/tasks.py``: 8 kinds of word-list instructions in chat form, each reply
   determined by its instruction), ``T`` = 300 steps of batch 4 (1200 rows, each seen once), 10 warmup steps then
@@ -23,15 +28,16 @@ Protocol (``--preset cpu``; ``--preset gpu`` is the same at 1000 steps, batch 16
 * the memory table (``--memory``): LoRA, LISA and full at 1024-token rows, batch 1, with and without gradient
   checkpointing: peak RSS and CPU seconds per step.
 
-Results are appended run by run to ``benchmarks/results/study/<name>.jsonl``; running the same command again (or
-with ``--resume``) plans what is still missing from what is there, so an interrupted study continues across sessions.
-``--report`` writes ``<name>.md`` from the JSONL alone.
+Results are appended run by run to ``benchmarks/results/study/<name>.jsonl`` (``<config>-<preset>``); running the
+same command again (or with ``--resume``) plans what is still missing from what is there, so an interrupted study
+continues across sessions. ``--report`` writes ``<name>.md`` from the JSONL alone.
 
 Usage::
 
     python benchmarks/study.py                       # run (or continue) the CPU study, then write the report
     python benchmarks/study.py --memory              # the memory table
     python benchmarks/study.py --report              # the report from what has run
+    python benchmarks/study.py --config benchmarks/configs/levers.json   # another study (make bench-levers)
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ if __package__ in (None, ""):  # `python benchmarks/study.py`: make `benchmarks`
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "study"
 
 
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+#: the study of issue 37; ``--config`` names another (``benchmarks/configs/``: the format is :func:`load_config`'s)
+DEFAULT_CONFIG = CONFIG_DIR / "study.json"
+#: the kinds of method a run can build (``benchmarks/study_run.build``)
+KINDS = ("lora", "lisa", "lisa-adapter", "full", "badam", "galore")
+
+
 @dataclass(frozen=True)
 class Preset:
     steps: int
@@ -71,71 +84,148 @@ class Preset:
     model: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct
 
 
-PRESETS = {
-    "cpu": Preset(steps=300, batch=4, n_train=1200, n_heldout=128, eval_at=(30, 60, 120, 300), warmup=10,
-                  max_length=128, seeds=(1, 2, 3, 4), jobs=2, threads=1),
-    "gpu": Preset(steps=1000, batch=16, n_train=16000, n_heldout=256, eval_at=(100, 200, 500, 1000), warmup=30,
-                  max_length=256, seeds=(1, 2, 3, 4), jobs=1, threads=8),
-    # the smoke test's: a tiny model, a few steps
-    "tiny": Preset(steps=6, batch=2, n_train=12, n_heldout=8, eval_at=(3, 6), warmup=1, max_length=512, seeds=(1, 2),
-                   jobs=1, threads=1, generate_tokens=4),
-}
-
-
 @dataclass(frozen=True)
 class Method:
-    """A way to train, as its own docs build it. ``grid``: the first learning rates tried; ``parent``: a diagnostic
-    runs once, at its parent's best rate; ``min_steps``: below this T the method is out of its regime (not ranked)."""
+    """A way to train, as its own docs build it. ``grid``: the first learning rates tried; ``lr``: a fixed rate
+    instead (no grid); ``parent``: a diagnostic runs once, at its parent's rate; ``min_steps``: below this T the
+    method is out of its regime (not ranked)."""
 
     name: str
-    kind: str  # "lora", "lisa", "lisa-adapter", "full", "badam", "galore"
+    kind: str  # one of KINDS
     grid: tuple[float, ...]
     options: tuple[tuple[str, Any], ...] = ()
     parent: Optional[str] = None
     min_steps: int = 0
     note: str = ""
+    lr: Optional[float] = None
 
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
 
 
-ADAPTER_GRID = (1e-4, 3e-4, 1e-3)
-FULL_GRID = (1e-5, 3e-5, 1e-4)
-#: how far a grid may be extended while its best rate sits at an edge
-GRID_LIMITS = (1e-6, 1e-2)
-#: BAdam's rule for its switch interval (its README): K = min(max(n / (B · D), 50), 100); with n = 1200 rows, B = 4,
-#: D = 30 blocks that is 50. GaLore's fine-tuning gap is 200-500 (its paper's GLUE runs: 500; transformers' docs: 200).
-BADAM_K = 50
-GALORE_GAP = 200
+@dataclass(frozen=True)
+class StudyConfig:
+    """One study, read from a JSON file of ``benchmarks/configs/`` (:func:`load_config`)."""
+
+    name: str  # the file's stem: results go to <name>-<preset>.jsonl ("study": study-<preset>.jsonl)
+    path: str
+    description: str
+    presets: dict[str, Preset]
+    grids: dict[str, tuple[float, ...]]
+    grid_limits: tuple[float, float]
+    methods: tuple[dict, ...]  # as written; "{T/10}" and "T/10" are resolved per preset by methods_for
+    memory: Optional[dict]
+    seeds: Optional[tuple[int, ...]] = None  # replaces every preset's reported seeds
+
+    def preset(self, name: str) -> Preset:
+        preset = self.presets[name]
+        return preset if self.seeds is None else replace(preset, seeds=self.seeds)
+
+    def methods_for(self, steps: int) -> dict[str, Method]:
+        """The methods at ``T`` = ``steps``: ``"T/10"`` (an option's value) is the LISA paper's best ablation ratio,
+        K ≈ T/10, and ``{T/10}`` in a name, parent or note is that number."""
+        k_long = max(steps // 10, 1)
+
+        def resolve(value: Any) -> Any:
+            if value == "T/10":
+                return k_long
+            return value.replace("{T/10}", str(k_long)) if isinstance(value, str) else value
+
+        found = {}
+        for spec in self.methods:
+            grid = spec.get("grid")
+            found[resolve(spec["name"])] = Method(
+                name=resolve(spec["name"]), kind=spec["kind"],
+                grid=tuple(self.grids[grid]) if isinstance(grid, str) else tuple(grid or ()),
+                options=tuple((k, resolve(v)) for k, v in (spec.get("options") or {}).items()),
+                parent=resolve(spec.get("parent")), min_steps=spec.get("min_steps", 0),
+                note=resolve(spec.get("note", "")), lr=spec.get("lr"))
+        return found
+
+    def memory_runs(self, preset_name: str) -> list["Run"]:
+        if not self.memory:
+            return []
+        return [Run(r["method"], r["lr"], 0, preset_name, {"max_length": self.memory["max_length"],
+                                                            "gradient_checkpointing": gc})
+                for r in self.memory["runs"] for gc in (False, True)]
 
 
-def methods_for(steps: int) -> dict[str, Method]:
-    k_long = max(steps // 10, 1)  # the LISA paper's best ablation: K ≈ T/10
-    found = [
-        Method("lora", "lora", ADAPTER_GRID, (("r", 16), ("alpha", 32), ("targets", "all-linear")),
-               note="PEFT LoRA on every linear layer, r=16, α=32 (LLaMA-Factory's and axolotl's usual baseline)"),
-        Method("full", "full", FULL_GRID, note="every weight, AdamW"),
-        Method("lisa-k5", "lisa", FULL_GRID, (("gamma", 2), ("K", 5)), note="LisaCallback γ=2, K=5 (E+H train)"),
-        Method(f"lisa-k{k_long}", "lisa", FULL_GRID, (("gamma", 2), ("K", k_long)),
-               note=f"LisaCallback γ=2, K=T/10={k_long} (the paper's best ablation ratio)"),
-        Method(f"lisa-adapter-k{k_long}", "lisa-adapter", ADAPTER_GRID,
-               (("r", 16), ("alpha", 32), ("gamma", 2), ("K", k_long)),
-               note=f"LisaConfig r=16, α=32 on every linear layer, γ=2 blocks' adapters train, K={k_long}, dense "
-                    "(the sampled LISA adapter: its own rate, issue 37 item 3)"),
-        Method("badam", "badam", FULL_GRID, (("K", BADAM_K),), min_steps=2 * BADAM_K,
-               note=f"badam.BlockOptimizer, one block at a time, switch_block_every={BADAM_K}, random order"),
-        Method("galore", "galore", FULL_GRID, (("rank", 128), ("gap", GALORE_GAP), ("scale", 0.25)),
-               min_steps=2 * GALORE_GAP,
-               note=f"optim='galore_adamw' on attention+MLP, rank=128, update_proj_gap={GALORE_GAP}, scale=0.25"),
-        # diagnostics: one seed, at the parent's best rate
-        Method("lora-r4", "lora", (), (("r", 4), ("alpha", 8), ("targets", "all-linear")), parent="lora"),
-        Method("lora-r128", "lora", (), (("r", 128), ("alpha", 256), ("targets", "all-linear")), parent="lora"),
-        Method("lora-qv-r128", "lora", (), (("r", 128), ("alpha", 256), ("targets", "q_proj,v_proj")),
-               parent="lora", note="the LISA paper's likely LoRA baseline"),
-        Method("lisa-eh-frozen", "lisa", (), (("gamma", 2), ("K", k_long), ("always", "")), parent=f"lisa-k{k_long}"),
-        Method("lisa-g6", "lisa", (), (("gamma", 6), ("K", k_long)), parent=f"lisa-k{k_long}"),
-    ]
-    return {m.name: m for m in found}
+_CONFIG_KEYS = {"extends", "description", "task", "presets", "grids", "grid_limits", "methods", "memory", "seeds"}
+_METHOD_KEYS = {"name", "kind", "grid", "lr", "options", "parent", "min_steps", "note"}
+
+
+def load_config(path: "str | Path" = DEFAULT_CONFIG) -> StudyConfig:
+    """A study from its JSON file. Keys: ``description``; ``task`` (``instructions``: the task a run trains on);
+    ``presets`` (name -> :class:`Preset` fields); ``grids`` (name -> the first rates tried); ``grid_limits`` (how far
+    a grid may be extended); ``methods`` (a list, in the report's order: ``name``, ``kind`` (one of :data:`KINDS`),
+    ``grid`` (a grid's name or a list of rates) or ``lr`` (one fixed rate) or ``parent`` (a diagnostic: one seed at
+    its parent's rate), ``options`` (the kind's settings), ``min_steps``, ``note``); ``memory`` (``{"max_length": N,
+    "runs": [{"method", "lr"}, ...]}``, or null); ``seeds`` (replaces the presets' reported seeds); ``extends`` (a
+    config file beside this one whose keys this file's replace). A wrong key or value is refused, naming it."""
+    path = Path(path)
+
+    def fail(message: str) -> None:
+        raise ValueError(f"{path}: {message}")
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON study config ({err})") from err
+    if not isinstance(raw, dict):
+        fail("a study config is a JSON object")
+    unknown = sorted(set(raw) - _CONFIG_KEYS)
+    if unknown:
+        fail(f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_CONFIG_KEYS))}")
+    if "extends" in raw:
+        base = load_config(path.parent / raw["extends"])
+        merged = {"description": base.description, "task": "instructions", "grids": base.grids,
+                  "grid_limits": base.grid_limits, "methods": base.methods, "memory": base.memory,
+                  "seeds": base.seeds, "presets": {k: asdict(v) for k, v in base.presets.items()}}
+        raw = {**merged, **{k: v for k, v in raw.items() if k != "extends"}}
+    for key in ("presets", "grids", "grid_limits", "methods"):
+        if key not in raw:
+            fail(f"{key!r} is missing")
+    if raw.get("task", "instructions") != "instructions":
+        fail(f"task={raw['task']!r} is invalid; allowed: instructions")
+    presets = {}
+    for name, fields in raw["presets"].items():
+        try:
+            presets[name] = Preset(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+        except TypeError as err:
+            fail(f"presets.{name}: {err}")
+    methods = raw["methods"]
+    names = [m.get("name") for m in methods]
+    for spec in methods:
+        where = f"methods[{spec.get('name', '?')}]"
+        bad = sorted(set(spec) - _METHOD_KEYS)
+        if bad:
+            fail(f"{where}: unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(_METHOD_KEYS))}")
+        if spec.get("kind") not in KINDS:
+            fail(f"{where}.kind={spec.get('kind')!r} is invalid; allowed: {', '.join(KINDS)}")
+        how = [k for k in ("grid", "lr", "parent") if spec.get(k) is not None]
+        if len(how) != 1:
+            fail(f"{where}: give exactly one of grid, lr, parent (given: {', '.join(how) or 'none'})")
+        if isinstance(spec.get("grid"), str) and spec["grid"] not in raw["grids"]:
+            fail(f"{where}.grid={spec['grid']!r} is invalid; allowed: {', '.join(raw['grids'])} or a list of rates")
+        if spec.get("parent") is not None and spec["parent"] not in names:
+            fail(f"{where}.parent={spec['parent']!r} is invalid; allowed: a method of this config")
+    if len(set(names)) != len(names):
+        fail(f"method names repeat: {names}")
+    seeds = raw.get("seeds")
+    return StudyConfig(name=path.stem, path=str(path), description=raw.get("description", ""), presets=presets,
+                       grids={k: tuple(v) for k, v in raw["grids"].items()}, grid_limits=tuple(raw["grid_limits"]),
+                       methods=tuple(methods), memory=raw.get("memory"),
+                       seeds=None if seeds is None else tuple(seeds))
+
+
+#: the study of issue 37 (``benchmarks/configs/study.json``): the defaults of the functions below
+CONFIG = load_config()
+PRESETS = CONFIG.presets
+GRID_LIMITS = CONFIG.grid_limits
+
+
+def methods_for(steps: int, config: StudyConfig = CONFIG) -> dict[str, Method]:
+    return config.methods_for(steps)
 
 
 @dataclass(frozen=True)
@@ -189,8 +279,12 @@ def selection_loss(record: Optional[dict]) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def grid_state(method: Method, preset: str, results: dict[str, dict]) -> tuple[list[float], Optional[float]]:
-    """``(rates still to run at seed 0, best rate or None while undecided)`` for a ranked method's grid."""
+def grid_state(method: Method, preset: str, results: dict[str, dict],
+               limits: tuple[float, float] = GRID_LIMITS) -> tuple[list[float], Optional[float]]:
+    """``(rates still to run at seed 0, best rate or None while undecided)`` for a ranked method's grid (a method
+    with a fixed ``lr`` is decided at it)."""
+    if method.lr is not None:
+        return [], method.lr
     rates = list(method.grid)
     while True:
         missing = [lr for lr in rates if Run(method.name, lr, 0, preset).key not in results]
@@ -200,9 +294,9 @@ def grid_state(method: Method, preset: str, results: dict[str, dict]) -> tuple[l
         best = min(rates, key=lambda lr: losses[lr])
         if not math.isfinite(losses[best]):  # every rate failed or diverged: nothing to choose, said in the report
             return [], None
-        if best == rates[0] and _ladder(rates[0], up=False) >= GRID_LIMITS[0] * 0.99:
+        if best == rates[0] and _ladder(rates[0], up=False) >= limits[0] * 0.99:
             rates.insert(0, _ladder(rates[0], up=False))
-        elif best == rates[-1] and _ladder(rates[-1], up=True) <= GRID_LIMITS[1] * 1.01:
+        elif best == rates[-1] and _ladder(rates[-1], up=True) <= limits[1] * 1.01:
             rates.append(_ladder(rates[-1], up=True))
         else:
             return [], best
@@ -217,17 +311,17 @@ def _ladder(lr: float, up: bool) -> float:
     return float(f"{1 if mantissa == 3 else 3}e{exponent if mantissa == 3 else exponent - 1}")
 
 
-def plan(preset_name: str, results: dict[str, dict]) -> list[Run]:
+def plan(preset_name: str, results: dict[str, dict], config: StudyConfig = CONFIG) -> list[Run]:
     """The runs that can start now, in the order they run: the diagnostics of every decided method, then its seeds,
     then the grids still open. A decided method's comparisons (r=4 against r=128, its interval against LoRA's) can
     then be answered while other grids are still running; the total is the same in any order."""
-    preset = PRESETS[preset_name]
-    methods = methods_for(preset.steps)
+    preset = config.preset(preset_name)
+    methods = config.methods_for(preset.steps)
     grids: list[Run] = []
     best: dict[str, Optional[float]] = {}
     for m in methods.values():
         if m.parent is None:
-            missing, best[m.name] = grid_state(m, preset_name, results)
+            missing, best[m.name] = grid_state(m, preset_name, results, config.grid_limits)
             grids += [Run(m.name, lr, 0, preset_name) for lr in missing]
     diagnostics = [Run(m.name, best[m.parent], 0, preset_name) for m in methods.values()
                    if m.parent is not None and best.get(m.parent) is not None]
@@ -236,9 +330,8 @@ def plan(preset_name: str, results: dict[str, dict]) -> list[Run]:
     return [run for run in diagnostics + seeds + grids if run.key not in results]
 
 
-def memory_runs(preset_name: str) -> list[Run]:
-    return [Run(m, lr, 0, preset_name, {"max_length": 1024, "gradient_checkpointing": gc})
-            for m, lr in (("lora", 3e-4), ("lisa-k5", 3e-5), ("full", 3e-5)) for gc in (False, True)]
+def memory_runs(preset_name: str, config: StudyConfig = CONFIG) -> list[Run]:
+    return config.memory_runs(preset_name)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -254,9 +347,10 @@ def append_record(path: Path, record: dict) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def launch(run: Run, out: Path, model: Optional[str], threads: int) -> None:
+def launch(run: Run, out: Path, model: Optional[str], threads: int, config: StudyConfig = CONFIG) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(run)), "--out", str(out)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(run)), "--out", str(out),
+               "--config", config.path]
     if model:
         command += ["--model", model]
     infrastructure_before = infrastructure_failures(out).get(run.key, 0)
@@ -274,12 +368,13 @@ def launch(run: Run, out: Path, model: Optional[str], threads: int) -> None:
 
 
 def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optional[float], jobs: int,
-          memory: bool) -> None:
-    preset = PRESETS[preset_name]
+          memory: bool, config: StudyConfig = CONFIG) -> None:
+    preset = config.preset(preset_name)
     deadline = None if budget_min is None else time.time() + 60 * budget_min
     while True:
         results = read_results(out)
-        todo = [r for r in memory_runs(preset_name) if r.key not in results] if memory else plan(preset_name, results)
+        todo = ([r for r in config.memory_runs(preset_name) if r.key not in results] if memory
+                else plan(preset_name, results, config))
         failures = infrastructure_failures(out)
         given_up = [r.key for r in todo if failures.get(r.key, 0) > INFRASTRUCTURE_RETRIES]
         if given_up:
@@ -294,13 +389,15 @@ def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optiona
             return
         batch = todo[:jobs]
         with ThreadPoolExecutor(len(batch)) as pool:
-            list(pool.map(lambda r: launch(r, out, model or preset.model, preset.threads), batch))
+            list(pool.map(lambda r: launch(r, out, model or preset.model, preset.threads, config), batch))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    parser.add_argument("--name", default=None, help="results file stem (default: study-<preset>)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
+                        help="the study's JSON file (default: benchmarks/configs/study.json; see load_config)")
+    parser.add_argument("--preset", default="cpu", help="a preset of the config (cpu, gpu, tiny in study.json)")
+    parser.add_argument("--name", default=None, help="results file stem (default: <config name>-<preset>)")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR))
     parser.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the preset's)")
@@ -311,20 +408,30 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        config = CONFIG if Path(args.config).resolve() == DEFAULT_CONFIG else load_config(args.config)
+    except ValueError as err:
+        parser.error(f"--config: {err}")
+    if args.preset not in config.presets:
+        parser.error(f"--preset={args.preset!r} is invalid; allowed: {', '.join(sorted(config.presets))} "
+                     f"(the presets of {config.path})")
+    if args.memory and not config.memory:
+        parser.error(f"--memory: {config.path} has no memory table")
     if args.run_one:
         from benchmarks.study_run import run_one
 
         run = json.loads(args.run_one)
-        run_one(Run(**run), Path(args.out), args.model)
+        run_one(Run(**run), Path(args.out), args.model, config)
         return
-    name = args.name or f"study-{args.preset}"
+    name = args.name or f"{config.name}-{args.preset}"
     directory = Path(args.results_dir)
     out = directory / (f"{name}-memory.jsonl" if args.memory else f"{name}.jsonl")
     if not args.report:
-        study(args.preset, out, args.model, args.budget_min, args.jobs or PRESETS[args.preset].jobs, args.memory)
+        study(args.preset, out, args.model, args.budget_min, args.jobs or config.preset(args.preset).jobs, args.memory,
+              config)
     from benchmarks.study_report import write_report
 
-    report = write_report(directory, name, args.preset)
+    report = write_report(directory, name, args.preset, config)
     print(f"[study] wrote {report}", flush=True)
 
 

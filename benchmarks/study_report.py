@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.study import PRESETS, Run, grid_state, methods_for, read_results, selection_loss
+from benchmarks.study import CONFIG, Run, StudyConfig, grid_state, read_results, selection_loss
 
 #: two-sided 95% quantiles of Student's t by degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
@@ -37,17 +37,20 @@ def final_report_loss(record: dict) -> float:
     return record["evals"][-1]["report_loss"]
 
 
-def seed_records(results: dict, method: str, lr: float, preset: str) -> dict[int, dict]:
+def seed_records(results: dict, method: str, lr: float, preset: str,
+                 config: StudyConfig = CONFIG) -> dict[int, dict]:
     found = {}
-    for seed in PRESETS[preset].seeds:
+    for seed in config.preset(preset).seeds:
         record = results.get(Run(method, lr, seed, preset).key)
         if record is not None and not record.get("error"):
             found[seed] = record
     return found
 
 
-def _grid_line(method, preset: str, results: dict) -> tuple[str, Optional[float]]:
-    missing, best = grid_state(method, preset, results)
+def _grid_line(method, preset: str, results: dict, config: StudyConfig) -> tuple[str, Optional[float]]:
+    if method.lr is not None:
+        return "fixed by the config", method.lr
+    missing, best = grid_state(method, preset, results, config.grid_limits)
     seen = sorted({r["run"]["lr"] for r in results.values()
                    if r["run"]["method"] == method.name and r["run"]["seed"] == 0 and not r["run"].get("memory")})
     parts = [f"{lr:g}: {selection_loss(results.get(Run(method.name, lr, 0, preset).key)):.3f}" for lr in seen]
@@ -57,14 +60,18 @@ def _grid_line(method, preset: str, results: dict) -> tuple[str, Optional[float]
     return ", ".join(parts) + note, best
 
 
-def write_report(directory: Path, name: str, preset: str) -> Path:
+def write_report(directory: Path, name: str, preset: str, config: StudyConfig = CONFIG) -> Path:
     results = read_results(directory / f"{name}.jsonl")
     memory = read_results(directory / f"{name}-memory.jsonl")
-    p = PRESETS[preset]
-    methods = methods_for(p.steps)
-    lines = [f"# When does LISA win? ({name}, written {_dt.datetime.now().isoformat(timespec='seconds')})", ""]
-    lines += [f"Command: `python benchmarks/study.py --preset {preset} --name {name}` (resumes; `--report` rewrites "
-              "this file from the JSONL beside it).", "",
+    p = config.preset(preset)
+    methods = config.methods_for(p.steps)
+    title = "When does LISA win?" if config.name == "study" else f"Study {config.name}"
+    chosen = "" if config.name == "study" else f"--config benchmarks/configs/{config.name}.json "
+    lines = [f"# {title} ({name}, written {_dt.datetime.now().isoformat(timespec='seconds')})", ""]
+    if config.name != "study":
+        lines += [config.description, ""]
+    lines += [f"Command: `python benchmarks/study.py {chosen}--preset {preset} --name {name}` (resumes; `--report` "
+              "rewrites this file from the JSONL beside it).", "",
               f"Instruction task, {p.steps} steps of batch {p.batch} ({p.n_train} rows, seen once), {p.warmup} "
               f"warmup steps then cosine; held-out {p.n_heldout} rows: a selection half chooses each method's rate "
               f"at seed 0, the report half reports seeds {list(p.seeds)} (mean ± 95% t-interval). Δ LoRA: paired by "
@@ -74,9 +81,9 @@ def write_report(directory: Path, name: str, preset: str) -> Path:
               "|---|---|---|"]
     for m in methods.values():
         if m.parent is None:
-            text, best[m.name] = _grid_line(m, preset, results)
+            text, best[m.name] = _grid_line(m, preset, results, config)
             lines.append(f"| {m.name} | {text or '—'} | {best[m.name] if best[m.name] is not None else 'undecided'} |")
-    lora = seed_records(results, "lora", best["lora"], preset) if best.get("lora") is not None else {}
+    lora = seed_records(results, "lora", best["lora"], preset, config) if best.get("lora") is not None else {}
     evals = p.eval_at
     lines += ["", "## Methods at their best rate, reported seeds", "",
               "| method | lr | seeds | report loss @T | Δ LoRA (paired) | exact match | loss @ " +
@@ -85,7 +92,7 @@ def write_report(directory: Path, name: str, preset: str) -> Path:
     for m in methods.values():
         if m.parent is not None or best.get(m.name) is None:
             continue
-        records = seed_records(results, m.name, best[m.name], preset)
+        records = seed_records(results, m.name, best[m.name], preset, config)
         if not records:
             lines.append(f"| {m.name} | {best[m.name]:g} | 0 | (seeds not run yet) | | | | | | | |")
             continue

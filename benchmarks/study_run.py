@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.study import PRESETS, Run, append_record, methods_for
+from benchmarks.study import CONFIG, Run, StudyConfig, append_record
 from benchmarks.tasks import instruction_rows
 
 
@@ -152,9 +152,10 @@ def build(method, model, lr: float, seed: int, steps: int) -> tuple[Any, list, t
     if kind == "lisa":
         from hf_lisa.trainer_callbacks import LisaCallback
 
-        always = method.option("always")
+        always, sampling = method.option("always"), method.option("sampling")
         callback = LisaCallback(lisa_activated_layers=method.option("gamma"), lisa_interval_steps=method.option("K"),
-                                seed=seed, **({} if always is None else {"lisa_always_trainable": ()}))
+                                seed=seed, **({} if always is None else {"lisa_always_trainable": ()}),
+                                **({} if sampling is None else {"lisa_sampling": sampling}))
         return model, [callback], (None, None), {}
     if kind == "lisa-adapter":
         from peft import get_peft_model
@@ -189,10 +190,10 @@ def trained_blocks(blocks: list) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------------------------------
-def run_one(run: Run, out: Path, model_path: Optional[str]) -> None:
+def run_one(run: Run, out: Path, model_path: Optional[str], config: StudyConfig = CONFIG) -> None:
     started = time.time()
     try:
-        record = _run(run, model_path)
+        record = _run(run, model_path, config)
     except Exception as err:  # recorded, so that the study moves on and the report says why
         record = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         if isinstance(err, OSError):  # a broken pipe, a full disk: the machine's failure, not the method's (planned again)
@@ -204,12 +205,12 @@ def run_one(run: Run, out: Path, model_path: Optional[str]) -> None:
         sys.exit(1)
 
 
-def _run(run: Run, model_path: Optional[str]) -> dict:
+def _run(run: Run, model_path: Optional[str], config: StudyConfig) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    preset = PRESETS[run.preset]
-    method = methods_for(preset.steps)[run.method]
+    preset = config.preset(run.preset)
+    method = config.methods_for(preset.steps)[run.method]
     if model_path is None:
         from hf_lisa.models import default_model_path
 

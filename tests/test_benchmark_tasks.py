@@ -1,14 +1,12 @@
-"""The benchmark's generated tasks (``benchmarks/tasks.py``) and the value study (``benchmarks/value.py``).
+"""The benchmark's generated tasks (``benchmarks/tasks.py``).
 
 The generators are checked against their own statement (each reply recomputed from the instruction, each label from
 the arithmetic in the text); the classification task runs through the harness for every method of the study on a
-tiny llama built from config, and each method must train the fresh ``score`` head; the value study's selection and
-aggregation run on real harness results.
+tiny llama built from config, and each method must train the fresh ``score`` head.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -130,46 +128,3 @@ def test_classification_task_trains_the_head_with_every_value_method(tiny_dir, t
     assert result["optimizer_state"]["max_abs_diff_from_formula"] == 0, method
     assert 0.0 <= result["exact_match"] <= 1.0  # argmax accuracy on the eval rows
     assert result["evals"][-1][1] != result["evals"][0][1]
-
-
-@pytest.mark.slow  # 2 methods x 2 rates + 2 more seeds, in this process
-def test_value_study_selects_the_best_rate_and_aggregates_seeds(tiny_dir, tmp_path):
-    from benchmarks import value
-    from benchmarks.report import final_eval_loss
-
-    argv = ["--models", tiny_dir, "--tasks", "classification", "--methods", "lora,lisa", "--steps", "2",
-            "--seeds", "2", "--lr-grid", "1e-5,3e-3", "--in-process", "--output-dir", str(tmp_path), "--name", "v"]
-    report = value.main(argv)
-    results = report["results"]
-    assert len(results) == report["planned"] == 2 * 2 + 2 and all(r["ok"] for r in results)
-    for method in ("lora", "lisa"):
-        search = {r["run"]["lr"]: final_eval_loss(r) for r in results
-                  if r["run"]["method"] == method and r["run"]["seed"] == 0}
-        best = min(search, key=search.get)
-        assert value.best_rate(results, tiny_dir, "classification", method) == best
-        seed1 = [r for r in results if r["run"]["method"] == method and r["run"]["seed"] == 1]
-        assert [r["run"]["lr"] for r in seed1] == [best]  # the extra seed runs at the best rate only
-        row = value.summarise(results, tiny_dir, "classification", ["lora", "lisa"])["rows"][method]
-        finals = [search[best], final_eval_loss(seed1[0])]
-        assert row["final"]["mean"] == pytest.approx(sum(finals) / 2)
-        assert (row["final"]["min"], row["final"]["max"]) == (min(finals), max(finals))
-    text = (tmp_path / "v.md").read_text()
-    assert "## classification" in text and "| lora |" in text and "| lisa |" in text
-    assert (tmp_path / "v.png").stat().st_size > 0
-    assert json.loads((tmp_path / "v.json").read_text())["planned"] == 6
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--tasks", "poetry"], "--tasks: unknown poetry; allowed: arithmetic, instructions, classification"),
-    (["--methods", "qlora"], "--methods: unknown qlora; allowed:"),
-    (["--steps", "0"], "--steps=0 is invalid; allowed: an integer >= 1."),
-    (["--lr-grid", "1e-4,fast"], "--lr-grid='1e-4,fast' is invalid; allowed: comma-separated positive numbers"),
-    (["--lr-grid", "lora=1e-4"], "--lr-grid='lora=1e-4' is invalid; allowed: comma-separated positive numbers, or "
-                                 "per family 'adapter=5e-4,1e-3;full-parameter=1e-4'."),
-])
-def test_value_study_refuses_bad_options(argv, message, capsys):
-    from benchmarks import value
-
-    with pytest.raises(SystemExit) as exit_info:
-        value.main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 SHELL_FENCES = ("```bash", "```sh", "```shell", "```console")
-MAKE_TARGETS = ("demo", "test", "install", "bench", "bench-value", "bench-study", "test-distributed")
+MAKE_TARGETS = ("demo", "test", "install", "bench", "bench-study", "test-distributed")
 
 #: each README command (whitespace normalised) -> (tests that run it, what they run differently)
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {

@@ -69,7 +69,7 @@ def test_a_failure_of_the_machine_is_planned_again_a_bounded_number_of_times(tmp
     out = tmp_path / "s.jsonl"
     run = study.Run("lora", 1e-3, 0, "cpu")
 
-    def broken_pipe(run, model_path):
+    def broken_pipe(run, model_path, config):
         raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(study_run, "_run", broken_pipe)
@@ -78,7 +78,7 @@ def test_a_failure_of_the_machine_is_planned_again_a_bounded_number_of_times(tmp
     assert run.key not in study.read_results(out) and study.infrastructure_failures(out) == {run.key: 1}
     assert run.key in {r.key for r in study.plan("cpu", study.read_results(out))}
 
-    def diverged(run, model_path):
+    def diverged(run, model_path, config):
         raise FloatingPointError("loss is nan")
 
     monkeypatch.setattr(study_run, "_run", diverged)
@@ -92,7 +92,7 @@ def test_a_failure_of_the_machine_is_planned_again_a_bounded_number_of_times(tmp
     for _ in range(study.INFRASTRUCTURE_RETRIES + 1):
         study.append_record(other, {"key": run.key, "run": {}, "infrastructure": True, "error": "killed by signal 9"})
     launched = []
-    monkeypatch.setattr(study, "plan", lambda preset, results: [] if launched else [run])
+    monkeypatch.setattr(study, "plan", lambda preset, results, config=None: [] if launched else [run])
     monkeypatch.setattr(study, "launch", lambda *a: launched.append(a))
     study.study("cpu", other, None, None, 1, memory=False)
     assert not launched
@@ -138,3 +138,86 @@ def test_real_runs_record_losses_coverage_and_resume_from_the_file(tmp_path):
     report = write_report(out.parent, "t", "tiny")
     text = report.read_text()
     assert "| lisa-k5 | 0.003: " in text and "| full | 0.003: " in text
+
+
+# -- the study as configs: benchmarks/configs/*.json read by one harness ------------------------------------------------
+CONFIGS = REPO_ROOT / "benchmarks" / "configs"
+
+
+def test_the_study_config_holds_the_studys_methods_and_presets():
+    """The study's methods, grids and presets are data (benchmarks/configs/study.json); K = T/10 per preset."""
+    config = study.load_config(CONFIGS / "study.json")
+    assert config is not None and study.CONFIG.name == "study"
+    methods = config.methods_for(300)
+    assert list(methods) == ["lora", "full", "lisa-k5", "lisa-k30", "lisa-adapter-k30", "badam", "galore", "lora-r4",
+                             "lora-r128", "lora-qv-r128", "lisa-eh-frozen", "lisa-g6"]
+    assert methods["lora"].grid == (1e-4, 3e-4, 1e-3) and methods["full"].grid == (1e-5, 3e-5, 1e-4)
+    assert methods["lisa-k30"].option("K") == 30 and methods["lisa-g6"].parent == "lisa-k30"
+    assert config.methods_for(1000)["lisa-k100"].option("K") == 100  # the gpu preset's T/10
+    assert (config.presets["cpu"].steps, config.presets["cpu"].seeds) == (300, (1, 2, 3, 4))
+    assert [r.key for r in config.memory_runs("cpu")][:2] == ["cpu|lora|0.0003|0|mem1024-gc0",
+                                                              "cpu|lora|0.0003|0|mem1024-gc1"]
+
+
+def test_the_levers_config_plans_each_lever_once_beside_its_reference():
+    """benchmarks/configs/levers.json (the retired sweep.py's levers): a fixed-rate reference and one change each,
+    all at its rate and seed 0; nothing else, and no grid."""
+    levers = study.load_config(CONFIGS / "levers.json")
+    runs = study.plan("cpu", {}, levers)
+    assert {(r.method, r.lr, r.seed) for r in runs} == {
+        (name, 3e-4, 0) for name in ("lisa-reference", "lisa-eh-frozen", "lisa-importance", "lisa-cyclic", "lisa-g1",
+                                     "lisa-g4", "lisa-k5", "lisa-k20", "lisa-k50")}
+    assert levers.presets == study.CONFIG.presets and levers.memory is None  # extends study.json, no memory table
+    assert levers.methods_for(300)["lisa-cyclic"].option("sampling") == "cyclic"
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"colour": 1}, "unknown key(s) colour; allowed:"),
+    ({"task": "poetry"}, "task='poetry' is invalid; allowed: instructions"),
+    ({"methods": [{"name": "x", "kind": "qlora", "grid": "adapter"}]}, "methods[x].kind='qlora' is invalid; allowed:"),
+    ({"methods": [{"name": "x", "kind": "lora", "grid": "adapter", "lr": 1e-3}]},
+     "methods[x]: give exactly one of grid, lr, parent (given: grid, lr)"),
+    ({"methods": [{"name": "x", "kind": "lora", "grid": "huge"}]},
+     "methods[x].grid='huge' is invalid; allowed: adapter"),
+    ({"methods": [{"name": "x", "kind": "lora", "parent": "y"}]}, "methods[x].parent='y' is invalid"),
+    ({"methods": [{"name": "x", "kind": "lora", "lr": 1e-3, "rank": 4}]}, "methods[x]: unknown key(s) rank"),
+])
+def test_a_wrong_config_is_refused_naming_the_key(tmp_path, change, words):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"extends": str(CONFIGS / "study.json"), **change}))
+    with pytest.raises(ValueError) as err:
+        study.load_config(path)
+    assert words in str(err.value) and str(path) in str(err.value)
+
+
+def test_the_command_refuses_a_bad_config_or_preset_before_running_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        study.main(["--config", str(tmp_path / "missing.json"), "--results-dir", str(tmp_path)])
+    assert "--config:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main(["--config", str(CONFIGS / "levers.json"), "--preset", "huge", "--results-dir", str(tmp_path)])
+    assert "--preset='huge' is invalid; allowed: cpu, gpu, tiny" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main(["--config", str(CONFIGS / "levers.json"), "--memory", "--results-dir", str(tmp_path)])
+    assert "has no memory table" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_config_of_its_own_runs_through_the_same_harness(tmp_path):
+    """The levers config's cyclic lever on the tiny preset, one real run through ``--config``: the sampling option
+    reaches LisaCallback (cyclic order trains each of 4 blocks in exactly 3 of 6 steps at γ = 2, K = 1), and the
+    report is titled by the config."""
+    model = build_tiny_lm_dir(tmp_path / "model", num_layers=4)
+    out = tmp_path / "res" / "levers-tiny.jsonl"
+    run = json.dumps({"method": "lisa-cyclic", "lr": 3e-4, "seed": 0, "preset": "tiny"})
+    subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--config",
+                    str(CONFIGS / "levers.json"), "--preset", "tiny", "--model", model, "--out", str(out),
+                    "--run-one", run], check=True, capture_output=True, cwd=tmp_path)
+    record = study.read_results(out)["tiny|lisa-cyclic|0.0003|0"]
+    assert record["coverage"]["steps_per_block"] == {str(b): 3 for b in range(4)}
+    assert record["evals"][-1]["selection_loss"] != record["evals"][0]["selection_loss"]
+    levers = study.load_config(CONFIGS / "levers.json")
+    text = write_report(out.parent, "levers-tiny", "tiny", levers).read_text()
+    assert text.startswith("# Study levers") and "--config benchmarks/configs/levers.json" in text
+    assert "| lisa-reference | fixed by the config | 0.0003 |" in text
