@@ -24,7 +24,8 @@ Protocol of ``configs/study.json`` (``--preset cpu``; ``--preset gpu`` is the sa
 * diagnostics at one seed, each at its parent's best rate: LoRA r=4 and r=128, q/v-only LoRA r=128, LISA with E+H
   frozen, LISA γ=6;
 * BAdam and GaLore at their documented settings; where ``T`` is too short for them (fewer than two switches or
-  projection updates) they run but are marked "not in its regime" and not ranked;
+  projection updates) their grid runs but they are marked "not in its regime", get no reported seeds and are not
+  ranked;
 * the memory table (``--memory``): LoRA, LISA and full at 1024-token rows, batch 1, with and without gradient
   checkpointing: peak RSS and CPU seconds per step.
 
@@ -325,8 +326,10 @@ def plan(preset_name: str, results: dict[str, dict], config: StudyConfig = CONFI
             grids += [Run(m.name, lr, 0, preset_name) for lr in missing]
     diagnostics = [Run(m.name, best[m.parent], 0, preset_name) for m in methods.values()
                    if m.parent is not None and best.get(m.parent) is not None]
+    # a method out of its regime at this T (fewer than two of its switches or projection updates) is not ranked:
+    # its grid runs, for the record, but no reported seeds
     seeds = [Run(m.name, best[m.name], s, preset_name) for m in methods.values()
-             if m.parent is None and best[m.name] is not None for s in preset.seeds]
+             if m.parent is None and best[m.name] is not None and preset.steps >= m.min_steps for s in preset.seeds]
     return [run for run in diagnostics + seeds + grids if run.key not in results]
 
 

@@ -94,7 +94,9 @@ def write_report(directory: Path, name: str, preset: str, config: StudyConfig = 
             continue
         records = seed_records(results, m.name, best[m.name], preset, config)
         if not records:
-            lines.append(f"| {m.name} | {best[m.name]:g} | 0 | (seeds not run yet) | | | | | | | |")
+            state = ("(seeds not run yet)" if p.steps >= m.min_steps else
+                     f"not in its regime (T = {p.steps} < {m.min_steps}): no seeds, not ranked")
+            lines.append(f"| {m.name} | {best[m.name]:g} | 0 | {state} | | | | | | | no |")
             continue
         losses = [final_report_loss(r) for r in records.values()]
         common = sorted(set(records) & set(lora))

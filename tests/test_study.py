@@ -53,6 +53,19 @@ def test_the_grid_extends_until_the_best_rate_is_interior_then_the_seeds_run_at_
     assert order[3:first_grid] == [("lora", s) for s in (1, 2, 3, 4)]
 
 
+def test_a_method_out_of_its_regime_runs_its_grid_but_no_reported_seeds():
+    """GaLore's projection gap (200) gives fewer than two updates in 300 steps: its grid runs, for the record, and once
+    decided it is not ranked, so its reported seeds are not planned (BAdam, in its regime, gets them)."""
+    results = {}
+    for name in ("galore", "badam"):
+        for lr, loss in ((1e-5, 0.5), (3e-5, 0.4), (1e-4, 0.45)):
+            results[study.Run(name, lr, 0, "cpu").key] = _record(name, lr, 0, loss)
+    assert study.grid_state(study.methods_for(300)["galore"], "cpu", results) == ([], 3e-5)
+    planned = {(run.method, run.seed) for run in study.plan("cpu", results)}
+    assert not {m for m, _ in planned} & {"galore"}
+    assert {("badam", s) for s in (1, 2, 3, 4)} <= planned
+
+
 def test_a_grid_whose_every_rate_failed_is_left_undecided_and_not_extended():
     full = study.methods_for(300)["full"]
     results = {study.Run("full", lr, 0, "cpu").key: {**_record("full", lr, 0, 0.0), "error": "boom"}
