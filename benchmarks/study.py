@@ -50,8 +50,9 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -358,14 +359,17 @@ def launch(run: Run, out: Path, model: Optional[str], threads: int, config: Stud
         command += ["--model", model]
     infrastructure_before = infrastructure_failures(out).get(run.key, 0)
     started = time.time()
-    completed = subprocess.run(command, env=env, capture_output=True, text=True)
+    # the child's output goes to a file, not a pipe: a run outlives its parent's restart (a pipe would break under it)
+    with tempfile.TemporaryFile("w+") as log:
+        completed = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        log.seek(0)
+        output = log.read()
     recorded = run.key in read_results(out) or infrastructure_failures(out).get(run.key, 0) > infrastructure_before
     if completed.returncode != 0 and not recorded:  # the child records its own failures; this covers a crash
-        record = {"key": run.key, "run": asdict(run), "error": completed.stderr[-2000:],
+        record = {"key": run.key, "run": asdict(run), "error": output[-2000:],
                   "returncode": completed.returncode, "wall_s": time.time() - started}
         if completed.returncode < 0:  # killed by a signal (the session ending, a kill): the machine's, run again
-            record.update(infrastructure=True, error=f"killed by signal {-completed.returncode}; "
-                          + completed.stderr[-1800:])
+            record.update(infrastructure=True, error=f"killed by signal {-completed.returncode}; " + output[-1800:])
         append_record(out, record)  # an exit status without a record of the child's own: a failed run, a result
     print(f"[study] {run.key}: exit {completed.returncode} after {time.time() - started:.0f} s", flush=True)
 
@@ -374,25 +378,32 @@ def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optiona
           memory: bool, config: StudyConfig = CONFIG) -> None:
     preset = config.preset(preset_name)
     deadline = None if budget_min is None else time.time() + 60 * budget_min
-    while True:
-        results = read_results(out)
-        todo = ([r for r in config.memory_runs(preset_name) if r.key not in results] if memory
-                else plan(preset_name, results, config))
-        failures = infrastructure_failures(out)
-        given_up = [r.key for r in todo if failures.get(r.key, 0) > INFRASTRUCTURE_RETRIES]
-        if given_up:
-            print(f"[study] left out after {INFRASTRUCTURE_RETRIES + 1} failures of the machine's kind (see their "
-                  f"records in {out}): {', '.join(given_up)}", flush=True)
-        todo = [r for r in todo if r.key not in given_up]
-        if not todo:
-            print(f"[study] nothing left to run in {out}", flush=True)
-            return
-        if deadline is not None and time.time() > deadline:
-            print(f"[study] budget reached; {len(todo)} run(s) planned, not started", flush=True)
-            return
-        batch = todo[:jobs]
-        with ThreadPoolExecutor(len(batch)) as pool:
-            list(pool.map(lambda r: launch(r, out, model or preset.model, preset.threads, config), batch))
+    running: dict[Future, str] = {}  # a run starts as soon as a slot frees, planned from the results then recorded
+    with ThreadPoolExecutor(jobs) as pool:
+        while True:
+            results = read_results(out)
+            todo = ([r for r in config.memory_runs(preset_name) if r.key not in results] if memory
+                    else plan(preset_name, results, config))
+            failures = infrastructure_failures(out)
+            given_up = [r.key for r in todo if failures.get(r.key, 0) > INFRASTRUCTURE_RETRIES]
+            if given_up and not running:
+                print(f"[study] left out after {INFRASTRUCTURE_RETRIES + 1} failures of the machine's kind (see "
+                      f"their records in {out}): {', '.join(given_up)}", flush=True)
+            todo = [r for r in todo if r.key not in given_up and r.key not in running.values()]
+            if not todo and not running:
+                print(f"[study] nothing left to run in {out}", flush=True)
+                return
+            out_of_time = deadline is not None and time.time() > deadline
+            if out_of_time and not running:
+                print(f"[study] budget reached; {len(todo)} run(s) planned, not started", flush=True)
+                return
+            while todo and len(running) < jobs and not out_of_time:
+                run = todo.pop(0)
+                running[pool.submit(launch, run, out, model or preset.model, preset.threads, config)] = run.key
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                running.pop(future)
+                future.result()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

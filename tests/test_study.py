@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,31 @@ def test_a_failure_of_the_machine_is_planned_again_a_bounded_number_of_times(tmp
     study.study("cpu", other, None, None, 1, memory=False)
     assert not launched
     assert f"left out after {study.INFRASTRUCTURE_RETRIES + 1} failures" in capsys.readouterr().out
+
+
+def test_a_run_starts_as_soon_as_a_slot_frees(tmp_path, monkeypatch):
+    """Two slots, three runs, the first two of unequal length: the third starts when the short one ends, not when the
+    whole batch does (before, a 10-minute run waited on its 16-minute neighbour)."""
+    import threading
+
+    out = tmp_path / "s.jsonl"
+    runs = [study.Run(m, 1e-3, 0, "cpu") for m in ("a", "b", "c")]
+    length = {"a": 0.05, "b": 1.0, "c": 0.05}
+    events, lock = [], threading.Lock()
+
+    def launch(run, out_path, *args):
+        with lock:
+            events.append(("start", run.method))
+        time.sleep(length[run.method])
+        study.append_record(out_path, {"key": run.key, "run": {}})
+        with lock:
+            events.append(("end", run.method))
+
+    monkeypatch.setattr(study, "plan", lambda preset, results, config=None: [r for r in runs if r.key not in results])
+    monkeypatch.setattr(study, "launch", launch)
+    study.study("cpu", out, None, None, 2, memory=False)
+    assert events.index(("start", "c")) < events.index(("end", "b"))
+    assert sorted(e for e in events if e[0] == "start") == [("start", m) for m in "abc"]  # each once
 
 
 def test_the_rate_ladder_is_spaced_by_three():
