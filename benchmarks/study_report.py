@@ -94,9 +94,10 @@ def write_report(directory: Path, name: str, preset: str, config: StudyConfig = 
             continue
         records = seed_records(results, m.name, best[m.name], preset, config)
         if not records:
-            state = ("(seeds not run yet)" if p.steps >= m.min_steps else
+            in_regime = p.steps >= m.min_steps
+            state = ("(seeds not run yet)" if in_regime else
                      f"not in its regime (T = {p.steps} < {m.min_steps}): no seeds, not ranked")
-            lines.append(f"| {m.name} | {best[m.name]:g} | 0 | {state} | | | | | | | no |")
+            lines.append(f"| {m.name} | {best[m.name]:g} | 0 | {state} | | | | | | | {'yes' if in_regime else 'no'} |")
             continue
         losses = [final_report_loss(r) for r in records.values()]
         common = sorted(set(records) & set(lora))
