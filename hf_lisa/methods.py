@@ -98,6 +98,15 @@ class Method:
     #: ``lisa_alpha`` (LoRA's ``lora_alpha``) when it is not given: this many times ``r``
     alpha_per_rank: Optional[float] = None
 
+    def default_learning_rate(self, activated_layers: Optional[int] = None) -> Optional[float]:
+        """``hf-lisa train``'s rate for this method when none is given, at γ = ``activated_layers`` (``None``: the
+        method's default γ): ``sampled_learning_rate`` when the schedule samples blocks (γ >= 1), else
+        ``learning_rate``."""
+        if activated_layers is None:
+            activated_layers = self.defaults.get("lisa_activated_layers")
+        sampled = isinstance(activated_layers, int) and not isinstance(activated_layers, bool) and activated_layers >= 1
+        return self.sampled_learning_rate if self.sampled_learning_rate is not None and sampled else self.learning_rate
+
     @property
     def is_adapter(self) -> bool:
         """Trains a PEFT adapter beside a frozen base: saved adapter-only, works on a quantized base."""

@@ -400,14 +400,7 @@ def method_learning_rate(name: Any, activated_layers: Any = None) -> Optional[fl
     unknown name, which validation refuses later). ``activated_layers``: γ as given (``None``: the method's default);
     a LISA adapter whose schedule samples blocks (γ >= 1) has a rate of its own (``hf_lisa.methods``)."""
     method = METHODS.get(name) if isinstance(name, str) else None
-    if method is None:
-        return None
-    if activated_layers is None:
-        activated_layers = method.defaults.get("lisa_activated_layers")
-    sampled = isinstance(activated_layers, int) and not isinstance(activated_layers, bool) and activated_layers >= 1
-    if method.sampled_learning_rate is not None and sampled:
-        return method.sampled_learning_rate
-    return method.learning_rate
+    return method.default_learning_rate(activated_layers) if method is not None else None
 
 
 def _on_command_line(argv: Sequence[str], name: str) -> bool:
