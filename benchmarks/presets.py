@@ -1,19 +1,28 @@
-"""Benchmark presets and the methods `compare.py` runs.
+"""The side-by-side protocol's settings: the methods it can run and the presets it runs them under.
+
+The data live in ``benchmarks/configs/bench.json`` (``make bench``) and ``configs/peers.json`` (``make
+bench-peers``), run by the one harness, ``benchmarks/study.py``; this module holds their shape
+(:class:`MethodSpec`, :class:`Preset`), the reader (:func:`side_by_side_settings`) and, for the tools that run one
+method outside a config (``benchmarks/scaling.py``, the tests), the methods and presets of ``bench.json``.
 
 A preset fixes everything that must be equal across methods (model, data, seed, batch, steps, evaluation) plus the
-few per-family knobs (learning rate, LISA's γ and K). Command-line options override any field.
+few per-family knobs (learning rate, LISA's γ and K); ``--set FIELD=VALUE`` overrides any field.
 
-* ``cpu-small``: the embedded SmolLM2-135M-Instruct in fp32 on the bundled arithmetic task, sized to finish all seven
-  methods in about 20 minutes on 2 CPU cores. K is 5 instead of the paper's 20 so that eight active sets occur
-  in 40 steps; the table says so.
+* ``cpu-small``: the embedded SmolLM2-135M-Instruct in fp32 on the bundled arithmetic task, sized to finish the
+  seven default methods in about 20 minutes on 2 CPU cores. K is 5 instead of the paper's 20 so that eight active
+  sets occur in 40 steps; the table says so.
 * ``gpu``: the same model and task with bf16 autocast (fp32 master weights), a larger batch, 200 steps and the
   K = 20 (LMFlow's script default): meant for a one-shot run on a single GPU.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Optional
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass(frozen=True)
@@ -45,92 +54,6 @@ class MethodSpec:
     description: str = ""
 
 
-METHODS: dict[str, MethodSpec] = {
-    spec.name: spec
-    for spec in (
-        MethodSpec("full", "full", "full-parameter", description="every parameter trains"),
-        MethodSpec("lora", "lora", "adapter", description="PEFT LoRA on all linear layers"),
-        MethodSpec("dora", "dora", "adapter", description="PEFT DoRA on all linear layers"),
-        MethodSpec("lisa", "lisa", "full-parameter", description="hf-lisa full-parameter LISA, E+H+γL, state dropped"),
-        MethodSpec(
-            "lisa-naive", "full", "full-parameter", naive=True,
-            description="LMFlow/axolotl callback: requires_grad toggling only, state kept",
-        ),
-        MethodSpec("lisa-adapter", "lisa-adapter", "adapter", description="LISA adapters (dense), γ blocks sampled"),
-        MethodSpec(
-            "lisa-adapter-4bit", "lisa-adapter", "adapter", model_overrides={"load_in_4bit": True},
-            description="LISA adapters (dense), γ blocks sampled, on a 4-bit NF4 base (bitsandbytes, QLoRA-style)",
-        ),
-        MethodSpec(
-            "lisa-adapter-8bit", "lisa-adapter", "adapter", model_overrides={"load_in_8bit": True},
-            description="LISA adapters (dense), γ blocks sampled, on an 8-bit base (bitsandbytes LLM.int8())",
-        ),
-        MethodSpec(
-            "lisa-adapter-sparse", "lisa-adapter", "adapter",
-            lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2"},
-            description="LISA adapters, 40% 2x2 block sparsity",
-        ),
-        MethodSpec(
-            "lisa-adapter-mixed", "lisa-adapter", "adapter",
-            lisa_overrides={"sparsity": 0.4, "sparsity_structure": "block", "block_size": "2x2",
-                            "sparsity_pattern": {"o_proj": 0.0, "gate_proj": 0.0, "up_proj": 0.0, "down_proj": 0.0},
-                            "rank_pattern": {"o_proj": 8, "gate_proj": 8, "up_proj": 8, "down_proj": 8}},
-            description="the design's mixed recipe: LISA adapters 40% 2x2-block sparse on q/k/v, dense rank 8 on "
-            "o_proj and the FFN",
-        ),
-        MethodSpec(
-            "lisa-adapter-interp", "lisa-adapter", "adapter", lisa_overrides={"layer_interpolation": True},
-            description="LISA adapters (dense) + layer interpolation",
-        ),
-        MethodSpec(
-            "lisa-fused", "lisa", "full-parameter", lisa_overrides={"optim_step_in_backward": True},
-            training_overrides={"max_grad_norm": 0.0},
-            description="lisa with AdamW stepped in the backward pass (--optim_step_in_backward; no clipping)",
-        ),
-        MethodSpec(
-            "lisa-adamw8bit", "lisa", "full-parameter", training_overrides={"optim": "adamw_bnb_8bit"},
-            description="lisa with bitsandbytes 8-bit AdamW (the Trainer keeps the tied E/H state at 32 bits)",
-        ),
-        MethodSpec(
-            "lisa-adamw8bit-eh", "lisa", "full-parameter", training_overrides={"optim": "adamw_bnb_8bit"},
-            lisa_overrides={"optim_8bit_embeddings": True},
-            description="lisa with bitsandbytes 8-bit AdamW, the E/H state in 8 bits too (--optim_8bit_embeddings)",
-        ),
-        MethodSpec(
-            "lisa-fused-8bit", "lisa", "full-parameter",
-            lisa_overrides={"optim_step_in_backward": True, "optim_8bit_embeddings": True},
-            training_overrides={"optim": "adamw_bnb_8bit", "max_grad_norm": 0.0},
-            description="lisa-fused with 8-bit AdamW, E/H state included (--optim adamw_bnb_8bit "
-            "--optim_8bit_embeddings --optim_step_in_backward; no clipping)",
-        ),
-        MethodSpec(
-            "badam", "full", "full-parameter", peer="badam",
-            description="BAdam (badam.BlockOptimizer over AdamW): one block at a time, E+H frozen, switched every "
-            "K steps",
-        ),
-        MethodSpec(
-            "galore", "full", "full-parameter", peer="galore",
-            description="GaLore (galore-torch, optim=galore_adamw): attention/MLP gradients projected to rank r",
-        ),
-    )
-}
-
-#: what ``make bench`` runs, in the order of the tables; ratios are taken against ``lora`` and ``full``. The other
-#: methods (``dora`` and the variants the studies add) run when ``--methods`` names them.
-DEFAULT_METHODS: tuple[str, ...] = (
-    "full", "lora", "lisa", "lisa-naive", "lisa-adapter", "lisa-adapter-sparse", "lisa-adapter-interp",
-)
-
-#: what ``make bench-peers`` runs: LISA beside its peers from other packages (BAdam, GaLore) and PEFT's LoRA and DoRA,
-#: in one table with ratios against ``lora`` and ``full`` (issue 26)
-PEER_COMPARISON: tuple[str, ...] = (
-    "full", "lora", "dora", "lisa", "lisa-naive", "lisa-adapter", "badam", "galore",
-)
-
-#: names ``--methods`` accepts for a whole list
-METHOD_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_METHODS, "peers": PEER_COMPARISON}
-
-
 @dataclass(frozen=True)
 class Preset:
     """Settings shared by every method of one benchmark run.
@@ -158,7 +81,7 @@ class Preset:
         lora_alpha: scaling numerator (scale = alpha / r).
         importance_steps: calibration batches of the sparse adapter's importance-based first mask.
         seed: seed of everything (model wrapping, data order, LISA's sampler).
-        methods: the methods run by default.
+        methods: the methods run by default (the config's ``run`` set).
         cpu_allocator: ``hf-lisa train``'s ``--cpu_allocator`` for every method: ``"default"`` (glibc's own
             behaviour), ``"trim"`` (free heap pages returned where the peak forms) or ``"lean"`` (the mmap threshold
             fixed: freed tensors leave the heap; slower).
@@ -189,7 +112,7 @@ class Preset:
     lora_alpha: float = 32.0
     importance_steps: int = 8
     seed: int = 42
-    methods: tuple[str, ...] = DEFAULT_METHODS
+    methods: tuple[str, ...] = ()
     cpu_allocator: str = "default"
     chunked_loss: bool = True
     lisa_extra: tuple[tuple[str, Any], ...] = ()
@@ -203,15 +126,59 @@ class Preset:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
-PRESETS: dict[str, Preset] = {
-    # 2 CPU cores: ~85-token rows in batches of 4 take 2-3 s per step; K = 5 gives 8 active sets in 40 steps
-    "cpu-small": Preset(
-        name="cpu-small", steps=40, batch_size=4, seq_len=128, device="cpu", eval_every=10, eval_samples=32,
-        exact_match_samples=32, timing_warmup_steps=3, lisa_interval_steps=5, importance_steps=4,
-    ),
-    # one GPU: LMFlow's K = 20 over 200 steps (10 switches), bf16 autocast
-    "gpu": Preset(
-        name="gpu", steps=200, batch_size=16, seq_len=256, device="cuda", bf16=True, eval_every=20, eval_samples=64,
-        exact_match_samples=64, timing_warmup_steps=10, lisa_interval_steps=20, importance_steps=8,
-    ),
-}
+_METHOD_FIELDS = {f.name for f in fields(MethodSpec)}
+_PRESET_FIELDS = {f.name for f in fields(Preset)} - {"name", "methods"}
+_FAMILIES = ("full-parameter", "adapter")
+
+
+def side_by_side_settings(raw: dict, where: str) -> tuple[dict[str, Preset], dict[str, MethodSpec], dict[str, tuple]]:
+    """``(presets, methods, sets)`` of a side-by-side config (``raw``: its JSON, ``extends`` already merged). The
+    config's keys: ``presets`` (name -> :class:`Preset` fields that differ from the defaults), ``methods`` (a list of
+    :class:`MethodSpec` fields), ``sets`` (name -> method names), ``run`` (the set a run takes by default). A wrong
+    key or value is refused, naming it and ``where`` (the file)."""
+
+    def fail(message: str) -> None:
+        raise ValueError(f"{where}: {message}")
+
+    methods: dict[str, MethodSpec] = {}
+    for spec in raw.get("methods") or []:
+        name = spec.get("name", "?")
+        bad = sorted(set(spec) - _METHOD_FIELDS)
+        if bad:
+            fail(f"methods[{name}]: unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(_METHOD_FIELDS))}")
+        if spec.get("family") not in _FAMILIES:
+            fail(f"methods[{name}].family={spec.get('family')!r} is invalid; allowed: {', '.join(_FAMILIES)}")
+        if name in methods:
+            fail(f"methods[{name}] is given twice")
+        try:
+            methods[name] = MethodSpec(**spec)
+        except TypeError as err:
+            fail(f"methods[{name}]: {err}")
+    presets: dict[str, Preset] = {}
+    for name, values in (raw.get("presets") or {}).items():
+        bad = sorted(set(values) - _PRESET_FIELDS)
+        if bad:
+            fail(f"presets.{name}: unknown key(s) {', '.join(bad)}; allowed: {', '.join(sorted(_PRESET_FIELDS))}")
+        presets[name] = Preset(name=name, **{k: tuple(v) if k == "lisa_extra" else v for k, v in values.items()})
+    sets = {name: tuple(names) for name, names in (raw.get("sets") or {}).items()}
+    for name, names in sets.items():
+        unknown = [m for m in names if m not in methods]
+        if unknown:
+            fail(f"sets.{name}: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(methods)}")
+    if raw.get("run") not in sets:
+        fail(f"run={raw.get('run')!r} is invalid; allowed: {', '.join(sets)}")
+    presets = {name: replace(p, methods=sets[raw["run"]]) for name, p in presets.items()}
+    return presets, methods, sets
+
+
+def _bench() -> tuple[dict[str, Preset], dict[str, MethodSpec], dict[str, tuple]]:
+    return side_by_side_settings(json.loads((CONFIG_DIR / "bench.json").read_text()), str(CONFIG_DIR / "bench.json"))
+
+
+PRESETS, METHODS, METHOD_SETS = _bench()
+#: what ``make bench`` runs, in the order of the tables; ratios are taken against ``lora`` and ``full``. The other
+#: methods (``dora`` and the variants the studies add) run when ``--methods`` names them.
+DEFAULT_METHODS: tuple[str, ...] = METHOD_SETS["default"]
+#: what ``make bench-peers`` runs: LISA beside its peers from other packages (BAdam, GaLore) and PEFT's LoRA and DoRA,
+#: in one table with ratios against ``lora`` and ``full`` (issue 26)
+PEER_COMPARISON: tuple[str, ...] = METHOD_SETS["peers"]

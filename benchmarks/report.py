@@ -1,4 +1,4 @@
-"""Tables and plots of a benchmark report (the dict that ``benchmarks/compare.py`` writes as JSON).
+"""Tables and plots of a side-by-side report (the dict that ``benchmarks/side_by_side.py`` writes as JSON).
 
 Everything here reads the report only, so a saved JSON can be re-rendered::
 

@@ -44,8 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python benchmarks/scaling.py` puts benchmarks/ first, not the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.compare import _cpu_name, _load_average  # noqa: E402
-from benchmarks.measure import current_rss_bytes, make_recorder, schedule_reader, state_kind, withheld_reader  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
+)
 from benchmarks.presets import Preset  # noqa: E402
 from benchmarks.scaling_report import render_markdown, plot_ratios  # noqa: E402
 from benchmarks.theory import config_floor  # noqa: E402
@@ -66,7 +67,7 @@ SHAPES: dict[str, dict] = {
 }
 SEQ_LENS: tuple[int, ...] = (128, 512, 2048)
 METHODS: tuple[str, ...] = ("full", "lora", "lisa")
-_BASE = Preset(name="scaling")  # learning rates, γ, rank and seed as in compare.py's presets
+_BASE = Preset(name="scaling")  # learning rates, γ, rank and seed as in bench.json's presets
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def cell_floor(config_kwargs: dict, method: str, seq_len: int, settings: Scaling
 def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path: Optional[str] = None) -> dict:
     """Train one cell (``cell``: ``shape``, ``config`` kwargs, ``seq_len``, ``method``) and return its measurements."""
     rss_before_model = current_rss_bytes()
-    load_start = _load_average()
+    load_start = load_average()
     import torch
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, set_seed
@@ -224,7 +225,7 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
         **{k: cell[k] for k in ("shape", "seq_len", "method")},
         "status": "ok",
         "device": device.type,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
         "attn_implementation": model.config._attn_implementation,
         "total_params": inventory.total_params,
@@ -240,7 +241,7 @@ def run_cell(cell: dict, settings: ScalingSettings, work_dir: str, progress_path
         "step_seconds": [s["seconds"] for s in steps],
         "median_step_seconds": statistics.median(s["seconds"] for s in steady),
         "median_step_cpu_seconds": statistics.median(s["cpu_seconds"] for s in steady),
-        "load_average": [load_start, _load_average()],
+        "load_average": [load_start, load_average()],
         "tokens_per_second": sum(s["tokens"] for s in steady) / max(sum(s["seconds"] for s in steady), 1e-9),
         "train_loss": [recorder.train_loss.get(s["step"]) for s in steps],
         "optimizer_state_bytes": max(s["optimizer_state_bytes"] for s in steps),

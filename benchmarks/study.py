@@ -1,9 +1,17 @@
-"""The harness of training studies, on the public API only; its first study: when does LISA win? (issue 37)
+"""The one harness of hf-lisa's training benchmarks, on the public API only; its first study: when does LISA win?
 
-A study is data: a JSON file of ``benchmarks/configs/`` (:func:`load_config`: presets, learning-rate grids, methods
-with their options, the memory table), run by this one harness (``--config``; default ``configs/study.json``, issue
-37's; ``configs/levers.json`` is LISA's levers on the same protocol), the way PEFT's ``method_comparison`` runs its
-experiment folders. A method is one of :data:`KINDS`, built in ``benchmarks/study_run.build``.
+A benchmark is data: a JSON file of ``benchmarks/configs/`` (:func:`load_config`), run by this one harness
+(``--config``), the way PEFT's ``method_comparison`` runs its experiment folders. Each run is one process; its record
+is appended to a JSONL file as it ends, and the same command continues from the records. A config names its
+protocol:
+
+* ``study`` (the default; ``configs/study.json``, issue 37's, and ``configs/levers.json``, LISA's levers on the same
+  protocol): presets, learning-rate grids, methods with their options, the memory table; a method is one of
+  :data:`KINDS`, built in ``benchmarks/study_run.build``; described below.
+* ``side-by-side`` (``configs/bench.json``, ``make bench``; ``configs/peers.json``, ``make bench-peers``): every
+  method once under one preset, measured step by step (optimizer state against its closed form, tokens/s, peak
+  memory, eval loss, exact match), in one table with ratios against LoRA and full fine-tuning
+  (``benchmarks/side_by_side.py``); ``--methods`` and ``--set FIELD=VALUE`` choose methods and preset fields.
 
 Every run is one plain ``transformers.Trainer`` in its own process, built the way a user would build it: PEFT's
 ``LoraConfig`` for LoRA, ``hf_lisa.trainer_callbacks.LisaCallback`` for full-parameter LISA, ``hf_lisa.LisaConfig``
@@ -39,6 +47,7 @@ Usage::
     python benchmarks/study.py --memory              # the memory table
     python benchmarks/study.py --report              # the report from what has run
     python benchmarks/study.py --config benchmarks/configs/levers.json   # another study (make bench-levers)
+    python benchmarks/study.py --config benchmarks/configs/bench.json --set eval_every=20   # side by side (make bench)
 """
 
 from __future__ import annotations
@@ -118,6 +127,7 @@ class StudyConfig:
     methods: tuple[dict, ...]  # as written; "{T/10}" and "T/10" are resolved per preset by methods_for
     memory: Optional[dict]
     seeds: Optional[tuple[int, ...]] = None  # replaces every preset's reported seeds
+    protocol = "study"
 
     def preset(self, name: str) -> Preset:
         preset = self.presets[name]
@@ -152,12 +162,32 @@ class StudyConfig:
                 for r in self.memory["runs"] for gc in (False, True)]
 
 
-_CONFIG_KEYS = {"extends", "description", "task", "presets", "grids", "grid_limits", "methods", "memory", "seeds"}
+@dataclass(frozen=True)
+class SideBySideConfig:
+    """A side-by-side comparison (``benchmarks/side_by_side.py``), read from its JSON file (:func:`load_config`)."""
+
+    name: str
+    path: str
+    description: str
+    presets: dict  # name -> benchmarks.presets.Preset
+    methods: dict  # name -> benchmarks.presets.MethodSpec
+    sets: dict[str, tuple[str, ...]]
+    results: str  # the results' name: "{date}" and "{machine}" are filled in
+    protocol = "side-by-side"
+
+
+#: how a config's methods are run and reported: ``study`` (grids, seeds, intervals: ``study_run``, ``study_report``)
+#: or ``side-by-side`` (each method once, measured, ratios against LoRA and full: ``side_by_side``, ``report``)
+PROTOCOLS = ("study", "side-by-side")
+_CONFIG_KEYS = {"extends", "protocol", "description", "task", "presets", "grids", "grid_limits", "methods", "memory",
+                "seeds"}
+_SIDE_BY_SIDE_KEYS = {"extends", "protocol", "description", "results", "presets", "sets", "run", "methods"}
 _METHOD_KEYS = {"name", "kind", "grid", "lr", "options", "parent", "min_steps", "note"}
 
 
-def load_config(path: "str | Path" = DEFAULT_CONFIG) -> StudyConfig:
-    """A study from its JSON file. Keys: ``description``; ``task`` (``instructions``: the task a run trains on);
+def load_config(path: "str | Path" = DEFAULT_CONFIG) -> "StudyConfig | SideBySideConfig":
+    """A study from its JSON file. ``protocol``: ``study`` (the default) or ``side-by-side`` (its keys:
+    :func:`benchmarks.presets.side_by_side_settings`, and ``results``, the results' name). A study's keys: ``description``; ``task`` (``instructions``: the task a run trains on);
     ``presets`` (name -> :class:`Preset` fields); ``grids`` (name -> the first rates tried); ``grid_limits`` (how far
     a grid may be extended); ``methods`` (a list, in the report's order: ``name``, ``kind`` (one of :data:`KINDS`),
     ``grid`` (a grid's name or a list of rates) or ``lr`` (one fixed rate) or ``parent`` (a diagnostic: one seed at
@@ -175,15 +205,17 @@ def load_config(path: "str | Path" = DEFAULT_CONFIG) -> StudyConfig:
         raise ValueError(f"{path}: not a readable JSON study config ({err})") from err
     if not isinstance(raw, dict):
         fail("a study config is a JSON object")
+    if "extends" in raw:  # the base's keys, replaced by this file's
+        with open(path.parent / raw["extends"]) as f:
+            raw = {**json.load(f), **{k: v for k, v in raw.items() if k != "extends"}}
+    protocol = raw.get("protocol", "study")
+    if protocol not in PROTOCOLS:
+        fail(f"protocol={protocol!r} is invalid; allowed: {', '.join(PROTOCOLS)}")
+    if protocol == "side-by-side":
+        return _side_by_side_config(path, raw)
     unknown = sorted(set(raw) - _CONFIG_KEYS)
     if unknown:
         fail(f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_CONFIG_KEYS))}")
-    if "extends" in raw:
-        base = load_config(path.parent / raw["extends"])
-        merged = {"description": base.description, "task": "instructions", "grids": base.grids,
-                  "grid_limits": base.grid_limits, "methods": base.methods, "memory": base.memory,
-                  "seeds": base.seeds, "presets": {k: asdict(v) for k, v in base.presets.items()}}
-        raw = {**merged, **{k: v for k, v in raw.items() if k != "extends"}}
     for key in ("presets", "grids", "grid_limits", "methods"):
         if key not in raw:
             fail(f"{key!r} is missing")
@@ -218,6 +250,17 @@ def load_config(path: "str | Path" = DEFAULT_CONFIG) -> StudyConfig:
                        grids={k: tuple(v) for k, v in raw["grids"].items()}, grid_limits=tuple(raw["grid_limits"]),
                        methods=tuple(methods), memory=raw.get("memory"),
                        seeds=None if seeds is None else tuple(seeds))
+
+
+def _side_by_side_config(path: Path, raw: dict) -> SideBySideConfig:
+    from benchmarks.presets import side_by_side_settings
+
+    unknown = sorted(set(raw) - _SIDE_BY_SIDE_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SIDE_BY_SIDE_KEYS))}")
+    presets, methods, sets = side_by_side_settings(raw, str(path))
+    return SideBySideConfig(name=path.stem, path=str(path), description=raw.get("description", ""), presets=presets,
+                            methods=methods, sets=sets, results=raw.get("results", "{date}-{machine}-" + path.stem))
 
 
 #: the study of issue 37 (``benchmarks/configs/study.json``): the defaults of the functions below
@@ -406,29 +449,84 @@ def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optiona
                 future.result()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_settings(values: list[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` pairs: a value is read as JSON (``20``, ``true``, ``1e-4``), else as a string."""
+    settings = {}
+    for item in values:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise ValueError(f"--set {item!r} is invalid; allowed: FIELD=VALUE, a field of the preset")
+        try:
+            settings[field] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[field] = value
+    return settings
+
+
+def main(argv: Optional[list[str]] = None) -> Optional[dict]:
+    """Run (or continue) a config's runs and write its report; the side-by-side protocol returns its report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="benchmarks/study.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG),
                         help="the study's JSON file (default: benchmarks/configs/study.json; see load_config)")
-    parser.add_argument("--preset", default="cpu", help="a preset of the config (cpu, gpu, tiny in study.json)")
-    parser.add_argument("--name", default=None, help="results file stem (default: <config name>-<preset>)")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--preset", default=None,
+                        help="a preset of the config (study.json: cpu, gpu, tiny; bench.json: cpu-small, gpu); "
+                        "default: the config's first")
+    parser.add_argument("--name", default=None, help="results file stem (default: <config name>-<preset>; "
+                        "side-by-side: the config's 'results', e.g. <date>-<machine>)")
+    parser.add_argument("--results-dir", default=None,
+                        help="where results go (default: benchmarks/results/study, side-by-side: benchmarks/results)")
     parser.add_argument("--model", default=None, help="a local model folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default: the preset's)")
     parser.add_argument("--budget-min", type=float, default=None, help="start no run after this many minutes")
     parser.add_argument("--memory", action="store_true", help="the memory table instead of the study")
     parser.add_argument("--report", action="store_true", help="only write the report from the results so far")
     parser.add_argument("--resume", action="store_true", help="accepted for clarity: every run continues the file")
+    parser.add_argument("--methods", default=None,
+                        help="side-by-side: comma-separated methods of the config, or one of its sets (default: its "
+                        "'run' set)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
+                        help="side-by-side: a preset field for every method, e.g. --set steps=20 --set data=train.jsonl "
+                        "(repeatable; fields: benchmarks/presets.py Preset)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="side-by-side: every method in this process (fast start; peak memory is then shared)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--exact-match-before", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         config = CONFIG if Path(args.config).resolve() == DEFAULT_CONFIG else load_config(args.config)
     except ValueError as err:
         parser.error(f"--config: {err}")
-    if args.preset not in config.presets:
-        parser.error(f"--preset={args.preset!r} is invalid; allowed: {', '.join(sorted(config.presets))} "
+    preset_name = args.preset or next(iter(config.presets))
+    if preset_name not in config.presets:
+        parser.error(f"--preset={preset_name!r} is invalid; allowed: {', '.join(sorted(config.presets))} "
                      f"(the presets of {config.path})")
+    if config.protocol == "side-by-side":
+        given = [flag for flag, value in (("--memory", args.memory), ("--jobs", args.jobs), ("--report", args.report))
+                 if value]
+        if given:
+            parser.error(f"{', '.join(given)}: not an option of the side-by-side protocol ({config.path}); it runs "
+                         "one method at a time and writes its report at the end")
+        from benchmarks import side_by_side
+
+        try:
+            settings = parse_settings(args.settings)
+            if args.run_one:
+                preset = side_by_side.resolve_preset(config, preset_name, settings, args.model)
+                record = side_by_side.run_one(Run(**json.loads(args.run_one)), Path(args.out), config, preset,
+                                              args.exact_match_before)
+                sys.exit(0 if record["ok"] else 1)
+            return side_by_side.run_protocol(
+                config, preset_name, settings, args.model, args.methods, Path(args.results_dir or RESULTS_DIR.parent),
+                args.name, args.in_process, args.budget_min, "python benchmarks/study.py " + " ".join(argv))
+        except ValueError as err:
+            parser.error(str(err))
+    given = [flag for flag, value in (("--methods", args.methods), ("--set", args.settings),
+                                      ("--in-process", args.in_process)) if value]
+    if given:
+        parser.error(f"{', '.join(given)}: options of the side-by-side protocol; {config.path} is a study (its "
+                     "methods and presets are the config's)")
     if args.memory and not config.memory:
         parser.error(f"--memory: {config.path} has no memory table")
     if args.run_one:
@@ -436,18 +534,20 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         run = json.loads(args.run_one)
         run_one(Run(**run), Path(args.out), args.model, config)
-        return
-    name = args.name or f"{config.name}-{args.preset}"
-    directory = Path(args.results_dir)
+        return None
+    name = args.name or f"{config.name}-{preset_name}"
+    directory = Path(args.results_dir or RESULTS_DIR)
     out = directory / (f"{name}-memory.jsonl" if args.memory else f"{name}.jsonl")
     if not args.report:
-        study(args.preset, out, args.model, args.budget_min, args.jobs or config.preset(args.preset).jobs, args.memory,
-              config)
+        study(preset_name, out, args.model, args.budget_min, args.jobs or config.preset(preset_name).jobs,
+              args.memory, config)
     from benchmarks.study_report import write_report
 
-    report = write_report(directory, name, args.preset, config)
+    report = write_report(directory, name, preset_name, config)
     print(f"[study] wrote {report}", flush=True)
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    report = main()
+    sys.exit(0 if report is None or all(r.get("ok") for r in report["results"]) else 1)

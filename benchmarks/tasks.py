@@ -19,7 +19,6 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 #: bump when a generator changes: cached files are keyed by it

@@ -1,4 +1,4 @@
-"""LISA's peers in ``benchmarks/compare.py``: BAdam (``badam``) and GaLore (``galore-torch``) from the package index,
+"""LISA's peers in the side-by-side benchmark (``benchmarks/configs/peers.json``): BAdam (``badam``) and GaLore (``galore-torch``) from the package index,
 each in a plain ``transformers.Trainer`` as its docs say, on a tiny llama built from config, a handful of steps.
 
 The values checked come from the config alone: each peer's optimizer state at every step, which parameters its steps
@@ -22,7 +22,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import compare  # noqa: E402
+from benchmarks import side_by_side, study  # noqa: E402
 from benchmarks.peers import package_version  # noqa: E402
 from benchmarks.presets import DEFAULT_METHODS, METHODS, PEER_COMPARISON  # noqa: E402
 
@@ -58,11 +58,14 @@ def tiny(tmp_path_factory):
     return root, model_dir, data
 
 
+SETTINGS = {"steps": STEPS, "batch_size": 2, "seq_len": 64, "eval_every": 3, "eval_samples": 4,
+            "lisa_interval_steps": K, "lisa_activated_layers": 2, "lora_r": RANK, "timing_warmup_steps": 1}
+
+
 def bench_args(model_dir, data, out, methods):
-    return ["--methods", methods, "--model", model_dir, "--data", data, "--steps", str(STEPS), "--batch-size", "2",
-            "--seq-len", "64", "--eval-every", "3", "--eval-samples", "4", "--lisa-interval-steps", str(K),
-            "--lisa-activated-layers", "2", "--lora-r", str(RANK), "--timing-warmup-steps", "1",
-            "--output-dir", str(out), "--name", "peers", "--in-process"]
+    return ["--config", str(REPO_ROOT / "benchmarks" / "configs" / "peers.json"), "--methods", methods,
+            "--model", model_dir, "--set", f"data={data}", "--results-dir", str(out), "--name", "peers",
+            "--in-process", *[arg for key, value in SETTINGS.items() for arg in ("--set", f"{key}={value}")]]
 
 
 class WeightWatch(TrainerCallback):
@@ -81,9 +84,10 @@ class WeightWatch(TrainerCallback):
 
 
 def run_watched(method, model_dir, data, tmp_path):
-    preset, _ = compare.resolve_preset(compare.build_parser().parse_args(bench_args(model_dir, data, tmp_path, method)))
+    config = study.load_config(REPO_ROOT / "benchmarks" / "configs" / "peers.json")
+    preset = side_by_side.resolve_preset(config, "cpu-small", {**SETTINGS, "data": data}, model_dir)
     watch = WeightWatch()
-    result = compare.run_method(method, preset, str(tmp_path), extra_callbacks=[watch])
+    result = side_by_side.run_method(method, preset, str(tmp_path), extra_callbacks=[watch], methods=config.methods)
     assert result["ok"], result.get("error")
     return result, watch.deltas
 
@@ -140,7 +144,7 @@ def test_galore_projects_its_target_linears_to_rank_r_and_trains_the_rest_in_ful
 
 def test_the_peer_comparison_is_one_table_with_ratios_against_lora_and_full(tiny, tmp_path):
     _, model_dir, data = tiny
-    report = compare.main(bench_args(model_dir, data, tmp_path, "peers"))
+    report = study.main(bench_args(model_dir, data, tmp_path, "peers"))
     assert [r["method"] for r in report["results"]] == list(PEER_COMPARISON)
     assert all(r["ok"] for r in report["results"]), [r.get("error") for r in report["results"]]
     markdown = Path(report["paths"]["markdown"]).read_text()
@@ -166,7 +170,7 @@ def test_every_method_of_the_harness_runs_on_a_tiny_model(tiny, tmp_path):
     rest = [m for m in METHODS if m not in COVERED_ELSEWHERE]
     if any(METHODS[m].model_overrides for m in rest):
         pytest.importorskip("bitsandbytes")  # the 4-bit and 8-bit bases
-    report = compare.main(bench_args(model_dir, data, tmp_path, ",".join(rest)))
+    report = study.main(bench_args(model_dir, data, tmp_path, ",".join(rest)))
     assert [r["method"] for r in report["results"]] == rest
     for r in report["results"]:
         assert r["ok"], (r["method"], r.get("error"))
@@ -179,7 +183,8 @@ def test_gpu_check_plans_the_peer_comparison_and_skips_without_a_gpu(tmp_path, c
 
     assert gpu_check.main(["--dry_run"]) == 0
     plan = capsys.readouterr().out
-    assert "benchmarks/compare.py --preset gpu --device cuda --methods peers --steps 100" in plan
+    assert "benchmarks/study.py --config " in plan and "/benchmarks/configs/peers.json" in plan
+    assert "--preset gpu --methods peers --set device=cuda --set steps=100 --set timing_warmup_steps=10" in plan
     assert ", ".join(PEER_COMPARISON) in plan and "LISA tokens/s >= 1.5 x LoRA's" in plan
     if not torch.cuda.is_available():  # the CI machines: nothing measured, said so, exit status 0
         assert gpu_check.main(["--output", str(tmp_path)]) == 0

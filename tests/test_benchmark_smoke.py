@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/compare.py`` on a tiny llama built from config, so that the benchmark cannot rot.
+"""Smoke test of the side-by-side protocol (``benchmarks/study.py --config benchmarks/configs/bench.json``) on a tiny llama built from config, so that the benchmark cannot rot.
 
 The values checked are the ones the README quotes: the optimizer-state bytes of each method against closed forms
 computed here from the config alone (not from the benchmark's own inventory), and the table that reports them.
@@ -19,7 +19,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import compare  # noqa: E402
+from benchmarks import study  # noqa: E402
 from benchmarks.presets import DEFAULT_METHODS  # noqa: E402
 from benchmarks.report import render_markdown  # noqa: E402
 
@@ -52,17 +52,20 @@ def tiny_setup(tmp_path_factory):
     return root, model_dir, data
 
 
+BENCH = str(REPO_ROOT / "benchmarks" / "configs" / "bench.json")
+
+
 def common_args(model_dir, data, out, steps=STEPS):
-    return ["--model", model_dir, "--data", data, "--steps", str(steps), "--batch-size", "2", "--seq-len", "64",
-            "--eval-every", "2", "--eval-samples", "4", "--lisa-interval-steps", str(K), "--lisa-activated-layers",
-            str(GAMMA), "--lora-r", str(RANK), "--timing-warmup-steps", "1", "--output-dir", str(out),
-            "--name", "smoke"]
+    settings = {"data": data, "steps": steps, "batch_size": 2, "seq_len": 64, "eval_every": 2, "eval_samples": 4,
+                "lisa_interval_steps": K, "lisa_activated_layers": GAMMA, "lora_r": RANK, "timing_warmup_steps": 1}
+    return ["--config", BENCH, "--model", model_dir, "--results-dir", str(out), "--name", "smoke",
+            *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_it(tiny_setup):
     root, model_dir, data = tiny_setup
     out = root / "in_process"
-    report = compare.main(common_args(model_dir, data, out) + ["--in-process"])
+    report = study.main(common_args(model_dir, data, out) + ["--in-process"])
     results = {r["method"]: r for r in report["results"]}
     assert list(results) == list(DEFAULT_METHODS)
     assert all(r["ok"] for r in results.values()), [r.get("error") for r in results.values()]
@@ -128,11 +131,11 @@ def test_every_method_matches_its_optimizer_state_formula_and_the_table_reports_
     assert "exactly the E+H+γL optimizer state at 4 of 4 steps" in markdown
 
 
-def test_cli_runs_each_method_in_its_own_process(tiny_setup):
+def test_cli_runs_each_method_in_its_own_process(tiny_setup, capsys):
     root, model_dir, data = tiny_setup
     out = root / "subprocess"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "compare.py"), "--methods", "lisa"]
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--methods", "lisa"]
         + common_args(model_dir, data, out, steps=2),
         cwd=str(root), capture_output=True, text=True, timeout=300,
     )
@@ -146,3 +149,20 @@ def test_cli_runs_each_method_in_its_own_process(tiny_setup):
     # a fresh process: the training peak holds at least the weights, above what the process held before the model
     if memory["peak_scope"] == "training":
         assert memory["peak_rss_bytes"] - memory["rss_before_model_bytes"] >= result["floor"]["weights_bytes"]
+
+    # the records are the results: the same command again reports them and trains nothing; other settings are refused
+    again = study.main(["--methods", "lisa"] + common_args(model_dir, data, out, steps=2))
+    assert again["results"] == report["results"]
+    with pytest.raises(SystemExit):
+        study.main(["--methods", "lisa"] + common_args(model_dir, data, out, steps=3))
+    assert "holds runs made with other settings (steps)" in capsys.readouterr().err
+
+
+def test_a_wrong_setting_or_method_is_refused_naming_it(tiny_setup, capsys):
+    root, model_dir, data = tiny_setup
+    for extra, named in ((["--set", "stepz=3"], "stepz"), (["--set", "steps=0"], "steps=0"),
+                         (["--methods", "lisa,lorra"], "lorra"), (["--memory"], "--memory")):
+        with pytest.raises(SystemExit):
+            study.main(common_args(model_dir, data, root / "refused") + extra)
+        assert named in capsys.readouterr().err
+    assert not (root / "refused").exists()  # nothing was written

@@ -109,7 +109,7 @@ def _tiny_preset(model_dir, **overrides):
 def test_classification_task_trains_the_head_with_every_value_method(tiny_dir, tmp_path, method):
     from transformers import TrainerCallback
 
-    from benchmarks import compare
+    from benchmarks import side_by_side
 
     class Watch(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -119,7 +119,7 @@ def test_classification_task_trains_the_head_with_every_value_method(tiny_dir, t
             self.after = {n: p.detach().clone() for n, p in model.named_parameters() if "score" in n}
 
     watch = Watch()
-    result = compare.run_method(method, _tiny_preset(tiny_dir), str(tmp_path), extra_callbacks=[watch])
+    result = side_by_side.run_method(method, _tiny_preset(tiny_dir), str(tmp_path), extra_callbacks=[watch])
     assert result["ok"] and result["task"] == "classification" and result["data_format"] == "text+label"
     # the trained head: PEFT's modules_to_save copy for adapters, the model's own for the full-parameter methods
     trained = [n for n in watch.before if "original_module" not in n]

@@ -13,7 +13,7 @@ from train_fixtures import build_tiny_lm_dir, copy_task_rows, write_jsonl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import compare  # noqa: E402
+from benchmarks import study  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a benchmark smoke run: five methods trained (~10 s)
 
@@ -39,11 +39,12 @@ def test_memory_variants_of_lisa(tmp_path):
         methods += ["lisa-adamw8bit", "lisa-adamw8bit-eh", "lisa-fused-8bit"]
     model_dir = build_tiny_lm_dir(tmp_path / "model", num_layers=LAYERS, hidden=HIDDEN)
     data = write_jsonl(tmp_path / "data.jsonl", copy_task_rows(60))
-    report = compare.main([
-        "--methods", ",".join(methods), "--model", model_dir, "--data", data, "--steps", str(STEPS),
-        "--batch-size", "2", "--seq-len", "64", "--eval-every", "2", "--eval-samples", "4", "--lisa-interval-steps",
-        "2", "--lisa-activated-layers", str(GAMMA), "--timing-warmup-steps", "1", "--output-dir", str(tmp_path / "out"),
-        "--name", "memory", "--in-process"])
+    settings = {"data": data, "steps": STEPS, "batch_size": 2, "seq_len": 64, "eval_every": 2, "eval_samples": 4,
+                "lisa_interval_steps": 2, "lisa_activated_layers": GAMMA, "timing_warmup_steps": 1}
+    report = study.main([
+        "--config", str(REPO_ROOT / "benchmarks" / "configs" / "bench.json"), "--methods", ",".join(methods),
+        "--model", model_dir, *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")],
+        "--results-dir", str(tmp_path / "out"), "--name", "memory", "--in-process"])
     results = {r["method"]: r for r in report["results"]}
     assert all(r["ok"] for r in results.values()), [r.get("error") for r in results.values()]
     for r in results.values():  # measured state equals the formula at every step

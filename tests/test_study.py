@@ -229,6 +229,37 @@ def test_a_wrong_config_is_refused_naming_the_key(tmp_path, change, words):
     assert words in str(err.value) and str(path) in str(err.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"protocol": "tournament"}, "protocol='tournament' is invalid; allowed: study, side-by-side"),
+    ({"grids": {}}, "unknown key(s) grids; allowed:"),
+    ({"run": "everything"}, "run='everything' is invalid; allowed: default, peers"),
+    ({"sets": {"default": ["lora", "qlora"]}}, "sets.default: unknown method(s) qlora"),
+    ({"presets": {"cpu-small": {"stepz": 3}}}, "presets.cpu-small: unknown key(s) stepz"),
+    ({"methods": [{"name": "x", "train_method": "lora", "family": "adapter", "rank": 4}]},
+     "methods[x]: unknown key(s) rank"),
+    ({"methods": [{"name": "x", "train_method": "lora", "family": "adaptor"}]},
+     "methods[x].family='adaptor' is invalid; allowed: full-parameter, adapter"),
+])
+def test_a_wrong_side_by_side_config_is_refused_naming_the_key(tmp_path, change, words):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"extends": str(CONFIGS / "bench.json"), **change}))
+    with pytest.raises(ValueError) as err:
+        study.load_config(path)
+    assert words in str(err.value) and str(path) in str(err.value)
+
+
+def test_the_side_by_side_configs_hold_the_benchmarks_methods_and_sets():
+    bench, peers = study.load_config(CONFIGS / "bench.json"), study.load_config(CONFIGS / "peers.json")
+    assert bench.protocol == peers.protocol == "side-by-side"
+    assert bench.presets["cpu-small"].methods == ("full", "lora", "lisa", "lisa-naive", "lisa-adapter",
+                                                  "lisa-adapter-sparse", "lisa-adapter-interp")
+    assert peers.presets["cpu-small"].methods == ("full", "lora", "dora", "lisa", "lisa-naive", "lisa-adapter",
+                                                  "badam", "galore")
+    assert bench.methods == peers.methods and bench.methods["badam"].peer == "badam"
+    assert (bench.presets["cpu-small"].steps, bench.presets["cpu-small"].lisa_interval_steps) == (40, 5)
+    assert peers.results == "{date}-{machine}-peers"
+
+
 def test_the_command_refuses_a_bad_config_or_preset_before_running_anything(tmp_path, capsys):
     with pytest.raises(SystemExit):
         study.main(["--config", str(tmp_path / "missing.json"), "--results-dir", str(tmp_path)])
@@ -239,6 +270,9 @@ def test_the_command_refuses_a_bad_config_or_preset_before_running_anything(tmp_
     with pytest.raises(SystemExit):
         study.main(["--config", str(CONFIGS / "levers.json"), "--memory", "--results-dir", str(tmp_path)])
     assert "has no memory table" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        study.main(["--config", str(CONFIGS / "levers.json"), "--set", "steps=3", "--results-dir", str(tmp_path)])
+    assert "--set: options of the side-by-side protocol" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -19,7 +19,8 @@ and ``--chunked_loss``.
   are). ``trim`` (:class:`HeapTrim`) calls glibc's ``malloc_trim(0)`` at exactly those two points of every training
   step, returning the free pages inside the heap to the system; ``lean`` fixes the mmap threshold at glibc's default
   (:func:`apply_cpu_allocator`), so every block of 128 KiB and more is returned when freed, at a page fault per page
-  of each new one. Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/compare.py --cpu-allocator``):
+  of each new one. Measured on SmolLM2-135M, cpu-small batches, 2 cores (``benchmarks/study.py --config
+  benchmarks/configs/bench.json --set cpu_allocator=...``; then ``benchmarks/compare.py --cpu-allocator``):
   ``trim`` gave full-parameter LISA 0.90× the peak RSS (1.11× its floor instead of 1.28×) at 1.17× the step time
   (16 steps); ``lean`` 0.90× at 1.34×, and full fine-tuning 0.90× at 1.49×. Both are opt-in.
 * ``--chunked_loss``: the causal-LM loss without its vocabulary-sized temporaries (:mod:`hf_lisa.optim.chunked_loss`).

@@ -1,67 +1,57 @@
-"""Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers, side by side in one run.
+"""The side-by-side protocol of the harness (``benchmarks/study.py``): every method of a config trained once, the same
+way, measured, in one table with ratios against LoRA and full fine-tuning (``make bench``, ``make bench-peers``).
 
 Every method trains the same model on the same data with the same seed, batch and steps, through the same pieces as
-``hf-lisa train`` (``hf_lisa.trainer.methods.setup_method``, its ``Trainer`` subclass and ``hf_lisa.data``), each in its own
+``hf-lisa train`` (``hf_lisa.trainer.methods.setup_method``, its ``Trainer`` and ``hf_lisa.data``), each in its own
 process so that peak memory is per method. The peers BAdam and GaLore come from their own packages and run in a plain
-``transformers.Trainer`` as their docs say (``benchmarks/peers.py``). A measuring callback records, per optimizer step:
-wall time, tokens, optimizer-state bytes (and what the shapes say they must be), trainable parameters, train loss;
-eval loss at fixed steps; and, on the bundled task, generation exact match at the end. The results go to stdout
-(markdown) and to ``benchmarks/results/<date>-<machine>.md`` with a JSON of every raw number and two PNG plots.
+``transformers.Trainer`` as their docs say (``benchmarks/peers.py``). A measuring callback (``benchmarks/measure.py``)
+records, per optimizer step: wall time, tokens, optimizer-state bytes (and what the shapes say they must be,
+``benchmarks/theory.py``), trainable parameters, train loss; eval loss at fixed steps; and, on the bundled task,
+generation exact match at the end.
 
-Usage::
-
-    python benchmarks/compare.py --preset cpu-small            # what `make bench` runs (~20 min on 2 CPU cores)
-    python benchmarks/compare.py --preset cpu-small --eval-every 20 --methods peers   # `make bench-peers`
-    python benchmarks/compare.py --preset gpu                  # one GPU, bf16 autocast
-    python benchmarks/compare.py --preset cpu-small --methods lisa,lora --steps 10 --model ./my-model --data train.jsonl
-
-``--in-process`` runs every method in this process instead (faster to start, used by the smoke test): peak memory
-is then shared between methods and the table says so.
+Each method's record is appended to ``benchmarks/results/<name>.jsonl`` as it ends (``<name>``: the config's
+``results`` template, ``{date}-{machine}`` for ``bench.json``), so that an interrupted run continues where it stopped
+(a record made under other settings is refused, naming them); the report is rewritten from the records:
+``<name>.md`` (also printed), ``<name>.json`` (every raw number) and two PNG plots (``benchmarks/report.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import functools
 import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from benchmarks.measure import (
+    cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
+)
+from benchmarks.presets import METHODS, MethodSpec, Preset
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-
-if str(REPO_ROOT) not in sys.path:  # `python benchmarks/compare.py` puts benchmarks/ first, not the repo root
-    sys.path.insert(0, str(REPO_ROOT))
-
-
-from benchmarks.measure import current_rss_bytes, make_recorder, schedule_reader, state_kind, withheld_reader  # noqa: E402
-from benchmarks.presets import METHOD_SETS, METHODS, PRESETS, Preset  # noqa: E402
-from benchmarks.tasks import TASKS  # noqa: E402
-
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-
-
-WORKER_FLAG = "--worker"
+#: preset fields that must be integers of at least 1
+_POSITIVE = ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
+             "lisa_interval_steps", "lora_r")
 
 
 def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: bool = False,
-               extra_callbacks: Sequence = ()) -> dict:
-    """Train ``method`` under ``preset`` in this process and return every measurement as plain JSON data.
+               extra_callbacks: Sequence = (), methods: Optional[dict[str, MethodSpec]] = None) -> dict:
+    """Train ``method`` (a name of ``methods``, default: ``bench.json``'s) under ``preset`` in this process and return
+    every measurement as plain JSON data.
 
     ``extra_callbacks`` go to the Trainer after the method's own (tests use them to watch the weights move)."""
     wall_start = time.perf_counter()
     rss_start = current_rss_bytes()
-    load_start = _load_average()
+    load_start = load_average()
     import peft
     import torch
     import transformers
@@ -78,7 +68,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     )
     from hf_lisa.trainer import LisaTrainer
 
-    spec = METHODS[method]
+    spec = (METHODS if methods is None else methods)[method]
     transformers.utils.logging.set_verbosity_error()
     if preset.device == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,7 +149,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     # the packed sparse masks are part of what the adapter must hold: 1 bit per weight element
     mask_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "lisa_mask" in n)
     device = torch.device(device_name)
-    kind = state_kind(method, preset.lisa_extra)
+    kind = state_kind(spec, preset.lisa_extra)
     estimate_kwargs = {
         "act_bytes": 2 if (preset.bf16 or preset.dtype in ("bfloat16", "float16")) else 4,
         "adapter_rank": preset.lora_r if spec.family == "adapter" else 0,
@@ -297,7 +287,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
             "learning_rate": lr,
             "ok": True,
             "device": device_name,
-            "device_name": cuda or _cpu_name(),
+            "device_name": cuda or cpu_name(),
             "threads": torch.get_num_threads(),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "peft": peft.__version__, "python": platform.python_version()},
@@ -321,7 +311,7 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
                 "train_seconds": recorder.t_train_end - recorder.t_train_begin,
                 "wall_seconds": time.perf_counter() - wall_start,
                 # other processes on the machine: 1-minute load average when this method started and ended
-                "load_average": [load_start, _load_average()],
+                "load_average": [load_start, load_average()],
             },
             "optimizer_state": {
                 "max_bytes": max(state_measured),
@@ -360,118 +350,201 @@ def run_method(method: str, preset: Preset, work_dir: str, exact_match_before: b
     return result
 
 
-def _load_average() -> Optional[float]:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _worker_main(config_path: str, result_path: str) -> int:
-    with open(config_path) as f:
-        config = json.load(f)
-    preset = Preset(**{**config["preset"], "methods": tuple(config["preset"]["methods"])})
-    try:
-        result = run_method(config["method"], preset, config["work_dir"], config.get("exact_match_before", False))
-    except Exception as err:  # the parent reports the failure in the table and moves on to the next method
-        import traceback
-
-        traceback.print_exc()
-        result = {"method": config["method"], "ok": False, "error": f"{type(err).__name__}: {err}"}
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0 if result["ok"] else 1
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# Parent: run every method, then report
+# Settings: the preset with the command line's --set, the methods, the results file
 # ----------------------------------------------------------------------------------------------------------------------
-def _preset_dict(preset: Preset) -> dict:
-    from dataclasses import asdict
+def resolve_preset(config, preset_name: str, settings: dict[str, Any], model: Optional[str] = None) -> Preset:
+    """The config's preset with ``settings`` (``--set FIELD=VALUE``) and ``--model`` applied; a wrong field or value
+    is refused, naming it and what is allowed."""
+    try:
+        preset = config.presets[preset_name].updated(**settings, model=model)
+    except TypeError as err:
+        raise ValueError(f"--set: {err}") from err
+    for name in _POSITIVE:
+        value = getattr(preset, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"--set {name}={value!r} is invalid; allowed: an integer >= 1.")
+    if preset.task not in _task_names():
+        raise ValueError(f"--set task={preset.task!r} is invalid; allowed: {', '.join(_task_names())}.")
+    if preset.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--set device={preset.device!r} is invalid; allowed: auto, cpu, cuda.")
+    return preset
 
+
+def _task_names() -> tuple[str, ...]:
+    from benchmarks.tasks import TASKS
+
+    return tuple(TASKS)
+
+
+def resolve_methods(config, preset: Preset, methods: Optional[str]) -> list[str]:
+    """``--methods``: comma-separated names of the config's methods, or the name of one of its sets; default: the
+    config's ``run`` set."""
+    if not methods:
+        return list(preset.methods)
+    if methods in config.sets:
+        return list(config.sets[methods])
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in config.methods]
+    if unknown or not names:
+        raise ValueError(f"--methods: unknown method(s) {unknown}; allowed: {', '.join(config.methods)}, or one of "
+                         f"{', '.join(config.sets)}.")
+    return names
+
+
+def machine_slug(preset: Preset) -> str:
+    """``cpu2`` (device and cores) or e.g. ``nvidia-h200``: the ``{machine}`` of a results name."""
+    import torch
+
+    if preset.device == "cuda" or (preset.device == "auto" and torch.cuda.is_available()):
+        if torch.cuda.is_available():
+            return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu{cores}"
+
+
+def preset_record(preset: Preset) -> dict:
     data = asdict(preset)
     data["methods"] = list(preset.methods)
+    data["lisa_extra"] = [list(pair) for pair in preset.lisa_extra]
     return data
 
 
-def run_all(preset: Preset, methods: Sequence[str], in_process: bool = False, log=print,
-            budget_s: Optional[float] = None) -> list[dict]:
-    """Run every method (each in a fresh Python process unless ``in_process``) and return their results in order.
+def _different_settings(records: list[dict], preset: Preset) -> list[str]:
+    """The preset fields in which earlier records of a results file differ from this run's (``methods`` aside)."""
+    now = json.loads(json.dumps(preset_record(preset)))
+    changed = set()
+    for record in records:
+        before = record.get("preset") or {}
+        changed |= {k for k in now if k != "methods" and k in before and before[k] != now[k]}
+    return sorted(changed)
 
-    With ``budget_s``, a method not started within that many seconds is recorded as not run (``ok`` False)."""
-    results = []
-    work_dir = tempfile.mkdtemp(prefix="hf-lisa-bench-")
-    begin = time.perf_counter()
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Running: each method in its own process (or this one), its record appended as it ends
+# ----------------------------------------------------------------------------------------------------------------------
+def run_one(run, out: Path, config, preset: Preset, exact_match_before: bool, in_process: bool = False) -> dict:
+    """Train ``run.method``, append its record to ``out`` and return it (a failure is recorded too)."""
+    from benchmarks.study import append_record
+
+    started = time.time()
     try:
-        for index, method in enumerate(methods):
-            started = time.perf_counter()
-            if budget_s is not None and started - begin > budget_s:
-                log(f"[bench] {index + 1}/{len(methods)} {method}: not run (--budget-s {budget_s:g} spent)")
-                results.append({"method": method, "ok": False, "in_process": in_process,
-                                "error": f"not run: the time budget (--budget-s {budget_s:g}) was spent"})
-                continue
-            log(f"[bench] {index + 1}/{len(methods)} {method} ...")
-            first = index == 0
-            if in_process:
-                try:
-                    result = run_method(method, preset, work_dir, exact_match_before=first)
-                except Exception as err:
-                    import traceback
+        with tempfile.TemporaryDirectory(prefix="hf-lisa-bench-") as work_dir:
+            result = run_method(run.method, preset, work_dir, exact_match_before, methods=config.methods)
+    except Exception as err:  # the report names the failure and the run moves on to the next method
+        import traceback
 
-                    traceback.print_exc()
-                    result = {"method": method, "ok": False, "error": f"{type(err).__name__}: {err}"}
-            else:
-                result = _run_subprocess(method, preset, work_dir, exact_match_before=first)
-            result["in_process"] = in_process
-            results.append(result)
-            if result.get("ok"):
-                timing = result["timing"]
-                log(f"[bench] {method}: {timing['median_step_seconds']:.3f} s/step, "
-                    f"peak {_gib(_peak_bytes(result)):.2f} GiB, optimizer state "
-                    f"{result['optimizer_state']['max_bytes'] / 2**20:.1f} MiB, final eval loss "
-                    f"{result['evals'][-1][1]:.4f} ({time.perf_counter() - started:.0f} s)")
-            else:
-                log(f"[bench] {method} FAILED: {result.get('error')}")
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    return results
+        traceback.print_exc()
+        result = {"method": run.method, "ok": False, "error": f"{type(err).__name__}: {err}"}
+    result.update(key=run.key, run=asdict(run), preset=preset_record(preset), in_process=in_process,
+                  wall_s=time.time() - started)
+    append_record(out, result)
+    return result
 
 
-def _run_subprocess(method: str, preset: Preset, work_dir: str, exact_match_before: bool) -> dict:
-    config_path = os.path.join(work_dir, f"{method}.config.json")
-    result_path = os.path.join(work_dir, f"{method}.result.json")
-    with open(config_path, "w") as f:
-        json.dump({"method": method, "preset": _preset_dict(preset), "work_dir": work_dir,
-                   "exact_match_before": exact_match_before}, f)
-    env = dict(os.environ)
+def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Optional[str], methods: Optional[str],
+                 results_dir: Path, name: Optional[str], in_process: bool, budget_min: Optional[float],
+                 command: str, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    """Run (or continue) the config's methods under ``preset_name`` and write the report; return the report."""
+    from benchmarks.study import Run, read_results
+
+    preset = resolve_preset(config, preset_name, settings, model)
+    names = resolve_methods(config, preset, methods)
+    started = _dt.datetime.now()
+    name = name or config.results.format(date=f"{started:%Y-%m-%d}", machine=machine_slug(preset))
+    out = Path(results_dir) / f"{name}.jsonl"
+    changed = _different_settings(list(read_results(out).values()), preset)
+    if changed:
+        raise ValueError(f"{out} holds runs made with other settings ({', '.join(changed)}); give --name for a new "
+                         "results file, or remove that one")
+    deadline = None if budget_min is None else time.time() + 60 * budget_min
+    runs = {m: Run(m, preset.lr_adapter if config.methods[m].family == "adapter" else preset.lr_full_parameter,
+                   preset.seed, preset_name) for m in names}
+    skipped: dict[str, str] = {}
+    for index, method in enumerate(names):
+        run = runs[method]
+        if run.key in read_results(out):
+            log(f"[bench] {index + 1}/{len(names)} {method}: recorded in {out.name}")
+            continue
+        if deadline is not None and time.time() > deadline:
+            skipped[method] = f"not run: the time budget (--budget-min {budget_min:g}) was spent"
+            log(f"[bench] {index + 1}/{len(names)} {method}: {skipped[method]}")
+            continue
+        log(f"[bench] {index + 1}/{len(names)} {method} ...")
+        if in_process:
+            result = run_one(run, out, config, preset, index == 0, in_process=True)
+        else:
+            result = _run_in_child(run, out, config, preset_name, settings, model, index == 0)
+        _log_result(result, log)
+    records = read_results(out)
+    results = [records[runs[m].key] if runs[m].key in records else {"method": m, "ok": False, "error": skipped[m]}
+               for m in names]
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": command,
+        "config": config.path,
+        "preset": preset_record(preset),
+        "methods": names,
+        "machine": {"slug": machine_slug(preset), "hostname": platform.node(), "cpu": cpu_name(),
+                    "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                    "platform": platform.platform()},
+        "in_process": any(r.get("in_process") for r in results),
+        "results": results,
+        "total_seconds": sum(r.get("wall_s", 0.0) for r in results),
+        "records": out.name,
+    }
+    report["paths"] = write_outputs(report, Path(results_dir), name)
+    from benchmarks.report import render_markdown
+
+    print(render_markdown(report))
+    log(f"[bench] wrote {report['paths']['markdown']}, {report['paths']['json']} and two plots "
+        f"({report['total_seconds']:.0f} s of runs)")
+    return report
+
+
+def _run_in_child(run, out: Path, config, preset_name: str, settings: dict, model: Optional[str],
+                  exact_match_before: bool) -> dict:
+    from benchmarks.study import read_results
+
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--config", config.path, "--preset",
+               preset_name, "--run-one", json.dumps(asdict(run)), "--out", str(out)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    if model:
+        command += ["--model", model]
+    if exact_match_before:
+        command.append("--exact-match-before")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # the worker's own output goes to our stderr: stdout carries only the table
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", WORKER_FLAG, config_path, result_path],
-        cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr,
-    )
-    if os.path.exists(result_path):
-        with open(result_path) as f:
-            return json.load(f)
-    return {"method": method, "ok": False, "error": f"worker exited with code {proc.returncode} and wrote no result"}
+    # the child's own output goes to our stderr: stdout carries only the table
+    proc = subprocess.run(command, cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr)
+    record = read_results(out).get(run.key)
+    if record is None:  # a crash before the child could record anything
+        from benchmarks.study import append_record
+
+        record = {"method": run.method, "ok": False, "key": run.key, "run": asdict(run),
+                  "error": f"worker exited with code {proc.returncode} and wrote no result"}
+        if proc.returncode < 0:  # killed by a signal: the machine's failure, planned again next time
+            record["infrastructure"] = True
+        append_record(out, record)
+    return record
+
+
+def _log_result(result: dict, log: Callable[[str], None]) -> None:
+    if result.get("ok"):
+        timing = result["timing"]
+        log(f"[bench] {result['method']}: {timing['median_step_seconds']:.3f} s/step, "
+            f"peak {_gib(_peak_bytes(result)):.2f} GiB, optimizer state "
+            f"{result['optimizer_state']['max_bytes'] / 2**20:.1f} MiB, final eval loss "
+            f"{result['evals'][-1][1]:.4f} ({result['wall_s']:.0f} s)")
+    else:
+        log(f"[bench] {result['method']} FAILED: {result.get('error')}")
 
 
 def _gib(n: Optional[float]) -> float:
@@ -482,14 +555,6 @@ def _peak_bytes(result: dict) -> Optional[int]:
     memory = result["memory"]
     return memory["cuda"].get("max_allocated") if memory.get("cuda") else memory.get("peak_rss_bytes")
 
-
-def machine_slug(results: list[dict]) -> str:
-    """``cpu2`` (device and cores) or e.g. ``nvidia-h200``, for the results file name."""
-    ok = [r for r in results if r.get("ok")]
-    if ok and ok[0]["device"] == "cuda":
-        return re.sub(r"[^a-z0-9]+", "-", ok[0]["device_name"].lower()).strip("-")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cpu{cores}"
 
 
 def write_outputs(report: dict, output_dir: Path, stem: str) -> dict[str, str]:
@@ -512,115 +577,3 @@ def write_outputs(report: dict, output_dir: Path, stem: str) -> dict[str, str]:
         json.dump(report, f, indent=1)
     return paths
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="benchmarks/compare.py",
-        description="Benchmark LISA against LoRA, full fine-tuning, the naive LISA callback and its peers (BAdam, "
-        "GaLore), side by side.",
-    )
-    parser.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS),
-                        help="Base settings (default: cpu-small).")
-    parser.add_argument("--methods", help=f"Comma-separated methods among: {', '.join(METHODS)}; or one of "
-                        + ", ".join(f"'{k}' ({','.join(v)})" for k, v in METHOD_SETS.items())
-                        + ". Default: the preset's (= 'default').")
-    parser.add_argument("--model", help="Model path or Hub id (default: the embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--data", help="Training file hf-lisa train accepts (.jsonl/.json/.csv/.parquet/.txt); "
-                        "default: the bundled arithmetic task. 5%% is held out for eval loss.")
-    parser.add_argument("--task", choices=tuple(TASKS),
-                        help="A task of benchmarks/tasks.py when --data is not given (default: the preset's, "
-                        "arithmetic); classification trains a sequence-classification head.")
-    parser.add_argument("--steps", type=int, help="Optimizer steps per method.")
-    parser.add_argument("--seq-len", type=int, dest="seq_len", help="max_seq_length of tokenisation.")
-    parser.add_argument("--batch-size", type=int, dest="batch_size", help="Sequences per optimizer step.")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="Where to train.")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="dtype of the loaded weights.")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast.")
-    parser.add_argument("--eval-every", type=int, dest="eval_every", help="Eval-loss interval in steps.")
-    parser.add_argument("--eval-samples", type=int, dest="eval_samples", help="Rows of the fixed eval set.")
-    parser.add_argument("--exact-match-samples", type=int, dest="exact_match_samples",
-                        help="Prompts scored by generation at the end (bundled task; 0 skips).")
-    parser.add_argument("--timing-warmup-steps", type=int, dest="timing_warmup_steps",
-                        help="First steps left out of the median step time.")
-    parser.add_argument("--lr-full-parameter", type=float, dest="lr_full_parameter",
-                        help="Learning rate of full, lisa, lisa-naive, badam and galore.")
-    parser.add_argument("--lr-adapter", type=float, dest="lr_adapter", help="Learning rate of lora and lisa-adapter*.")
-    parser.add_argument("--lisa-activated-layers", type=int, dest="lisa_activated_layers", help="γ.")
-    parser.add_argument("--lisa-interval-steps", type=int, dest="lisa_interval_steps", help="K.")
-    parser.add_argument("--lora-r", type=int, dest="lora_r", help="Adapter rank (lora and lisa-adapter*).")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--cpu-allocator", dest="cpu_allocator", choices=("default", "trim", "lean"),
-                        help="hf-lisa train's --cpu_allocator for every method (default: the preset's).")
-    parser.add_argument("--chunked-loss", dest="chunked_loss", choices=("true", "false"),
-                        help="hf-lisa train's --chunked_loss for every method (default: the preset's, true).")
-    parser.add_argument("--budget-s", type=float, dest="budget_s",
-                        help="No method starts after this many seconds; later ones are reported as not run.")
-    parser.add_argument("--in-process", action="store_true",
-                        help="Run every method in this process (fast start; peak memory is then shared).")
-    parser.add_argument("--output-dir", default=str(RESULTS_DIR), help="Where the results go (default: %(default)s).")
-    parser.add_argument("--name", help="File stem of the results (default: <date>-<machine>).")
-    return parser
-
-
-def resolve_preset(ns: argparse.Namespace) -> tuple[Preset, list[str]]:
-    preset = PRESETS[ns.preset]
-    overrides = {k: getattr(ns, k) for k in (
-        "model", "data", "task", "steps", "seq_len", "batch_size", "device", "dtype", "bf16", "eval_every",
-        "eval_samples", "exact_match_samples", "timing_warmup_steps", "lr_full_parameter", "lr_adapter",
-        "lisa_activated_layers", "lisa_interval_steps", "lora_r", "seed", "cpu_allocator")}
-    if ns.chunked_loss is not None:
-        overrides["chunked_loss"] = ns.chunked_loss == "true"
-    preset = preset.updated(**overrides)
-    if ns.methods in METHOD_SETS:
-        methods = list(METHOD_SETS[ns.methods])
-    elif ns.methods:
-        methods = [m.strip() for m in ns.methods.split(",") if m.strip()]
-    else:
-        methods = list(preset.methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"--methods: unknown method(s) {unknown}; allowed: {', '.join(METHODS)}, or one of "
-                         f"{', '.join(METHOD_SETS)}.")
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
-                 "lisa_interval_steps", "lora_r"):
-        if getattr(preset, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise SystemExit(f"{flag}={getattr(preset, name)} is invalid; allowed: an integer >= 1.")
-    return preset, methods
-
-
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    """Run the benchmark and return the report (also written to ``--output-dir``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser().parse_args(argv)
-    preset, methods = resolve_preset(ns)
-    started = _dt.datetime.now()
-    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    results = run_all(preset, methods, in_process=ns.in_process, log=log, budget_s=ns.budget_s)
-    stem = ns.name or f"{started:%Y-%m-%d}-{machine_slug(results)}"
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "command": "python benchmarks/compare.py " + " ".join(argv),
-        "preset": _preset_dict(preset),
-        "methods": methods,
-        "machine": {"slug": machine_slug(results), "hostname": platform.node(), "cpu": _cpu_name(),
-                    "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                    "platform": platform.platform()},
-        "in_process": ns.in_process,
-        "results": results,
-        "total_seconds": (_dt.datetime.now() - started).total_seconds(),
-    }
-    paths = write_outputs(report, Path(ns.output_dir), stem)
-    from benchmarks.report import render_markdown
-
-    print(render_markdown(report))
-    log(f"[bench] wrote {paths['markdown']}, {paths['json']} and two plots in {report['total_seconds']:.0f} s")
-    report["paths"] = paths
-    return report
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == WORKER_FLAG:
-        sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
-    report = main()
-    sys.exit(0 if all(r.get("ok") for r in report["results"]) else 1)
