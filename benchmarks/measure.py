@@ -44,6 +44,14 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def child_pythonpath(current: Optional[str]) -> str:
+    """``PYTHONPATH`` of a benchmark's child process: the parent's, with the checkout added after it where missing
+    (so that ``benchmarks`` imports, and a folder laid out as the installed package ahead of it keeps its place)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    entries = [p for p in (current or "").split(os.pathsep) if p]
+    return os.pathsep.join(entries if root in entries else entries + [root])
+
+
 def load_average() -> Optional[float]:
     """The machine's 1-minute load average (other processes beside a timed run); ``None`` where unknown."""
     try:

@@ -45,7 +45,8 @@ if str(REPO_ROOT) not in sys.path:  # `python benchmarks/scaling.py` puts benchm
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.measure import (  # noqa: E402
-    cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
+    child_pythonpath, cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind,
+    withheld_reader,
 )
 from benchmarks.presets import Preset  # noqa: E402
 from benchmarks.scaling_report import render_markdown, plot_ratios  # noqa: E402
@@ -271,7 +272,7 @@ def _run_subprocess(cell: dict, settings: ScalingSettings, policy: MemoryPolicy,
     with open(paths["config"], "w") as f:
         json.dump({"cell": cell, "settings": asdict(settings), "work_dir": work_dir, "progress": paths["progress"]}, f)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scaling", WORKER_FLAG, paths["config"],
                              paths["result"]], cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr)

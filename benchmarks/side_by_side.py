@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from benchmarks.measure import (
-    cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
+    child_pythonpath, cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
 )
 from benchmarks.presets import METHODS, MethodSpec, Preset
 
@@ -521,7 +521,7 @@ def _run_in_child(run, out: Path, config, preset_name: str, settings: dict, mode
     if exact_match_before:
         command.append("--exact-match-before")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
     # the child's own output goes to our stderr: stdout carries only the table
     proc = subprocess.run(command, cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr)
     record = read_results(out).get(run.key)

@@ -66,7 +66,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-if __package__ in (None, ""):  # `python benchmarks/study.py`: make `benchmarks` importable
+if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in sys.path:
+    # `python benchmarks/study.py`: make `benchmarks` importable (where the checkout is on the path already, e.g.
+    # behind a folder laid out as the installed package, gpu_protocol.sh's, that order is kept)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "study"
