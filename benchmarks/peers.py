@@ -219,6 +219,10 @@ def setup_peer(peer: str, model, inventory, preset, learning_rate: float, device
         # own ``active_modules`` (the modules "always active during optimization"): frozen, it would stay random
         heads = classification_heads(model)
         settings["active_modules"] = heads
+        # BlockOptimizer copies the active block's weights when built, on their device: the model goes to its device
+        # first, as BAdam's examples load it (built on CPU, the copies stay there while the Trainer moves the model
+        # to the GPU, and the first step fails: found by the first GPU run, 2026-12-04)
+        model.to(device_name)
 
         base = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0,
                                  fused=device_name == "cuda" or None)

@@ -469,7 +469,8 @@ def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Opti
     skipped: dict[str, str] = {}
     for index, method in enumerate(names):
         run = runs[method]
-        if run.key in read_results(out):
+        recorded = read_results(out).get(run.key)
+        if recorded is not None and recorded.get("ok"):  # a failed method runs again (its later record wins)
             log(f"[bench] {index + 1}/{len(names)} {method}: recorded in {out.name}")
             continue
         if deadline is not None and time.time() > deadline:

@@ -170,6 +170,8 @@ def build(method, model, lr: float, seed: int, steps: int) -> tuple[Any, list, t
     if kind == "badam":
         from badam import BlockOptimizer
 
+        if torch.cuda.is_available():  # its weight copies are made on the weights' device: the model goes there first
+            model.to("cuda")
         base = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         optimizer = BlockOptimizer(base_optimizer=base, named_parameters_list=list(model.named_parameters()),
                                    block_prefix_list=[[name + "."] for name, _ in blocks_of(model)],

@@ -156,6 +156,13 @@ def test_cli_runs_each_method_in_its_own_process(tiny_setup, capsys):
     with pytest.raises(SystemExit):
         study.main(["--methods", "lisa"] + common_args(model_dir, data, out, steps=3))
     assert "holds runs made with other settings (steps)" in capsys.readouterr().err
+    # a failed method runs again on the next command (its later record wins), as after a fix
+    failed = {**result, "ok": False, "error": "RuntimeError: as a failed run records it"}
+    with open(out / "smoke.jsonl", "a") as f:
+        f.write(json.dumps(failed) + "\n")
+    rerun = study.main(["--methods", "lisa", "--in-process"] + common_args(model_dir, data, out, steps=2))
+    (again,) = rerun["results"]
+    assert again["ok"] and again["in_process"] and len((out / "smoke.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_wrong_setting_or_method_is_refused_naming_it(tiny_setup, capsys):
