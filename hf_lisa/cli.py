@@ -246,8 +246,26 @@ def _train(args: argparse.Namespace) -> int:
     _refuse_unknown_flags(args.rest)
     from .train import main as train_main
 
-    train_main(args.rest)
+    owned = not _process_group_initialized()
+    try:
+        train_main(args.rest)
+    finally:
+        # the process group the run created (accelerate's, under `accelerate launch`) ends with the command: left to
+        # the interpreter's exit, its threads can be torn down while joinable ("terminate called without an active
+        # exception" on a rank after a finished run); a group the caller made before is the caller's to end
+        if owned and _process_group_initialized():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     return 0
+
+
+def _process_group_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized()
 
 
 def _demo(args: argparse.Namespace) -> int:
