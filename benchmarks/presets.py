@@ -131,11 +131,17 @@ _PRESET_FIELDS = {f.name for f in fields(Preset)} - {"name", "methods"}
 _FAMILIES = ("full-parameter", "adapter")
 
 
+#: what a side-by-side config's ``checks`` can compare: the ratio of ``method``'s measure to ``against``'s
+CHECK_METRICS = ("tokens_per_second",)
+_CHECK_KEYS = {"claim", "method", "against", "metric", "at_least", "device"}
+
+
 def side_by_side_settings(raw: dict, where: str) -> tuple[dict[str, Preset], dict[str, MethodSpec], dict[str, tuple]]:
     """``(presets, methods, sets)`` of a side-by-side config (``raw``: its JSON, ``extends`` already merged). The
     config's keys: ``presets`` (name -> :class:`Preset` fields that differ from the defaults), ``methods`` (a list of
-    :class:`MethodSpec` fields), ``sets`` (name -> method names), ``run`` (the set a run takes by default). A wrong
-    key or value is refused, naming it and ``where`` (the file)."""
+    :class:`MethodSpec` fields), ``sets`` (name -> method names), ``run`` (the set a run takes by default), ``checks``
+    (claims judged from the results, :func:`check_specs`). A wrong key or value is refused, naming it and ``where``
+    (the file)."""
 
     def fail(message: str) -> None:
         raise ValueError(f"{where}: {message}")
@@ -168,7 +174,29 @@ def side_by_side_settings(raw: dict, where: str) -> tuple[dict[str, Preset], dic
     if raw.get("run") not in sets:
         fail(f"run={raw.get('run')!r} is invalid; allowed: {', '.join(sets)}")
     presets = {name: replace(p, methods=sets[raw["run"]]) for name, p in presets.items()}
+    check_specs(raw.get("checks") or [], methods, where)
     return presets, methods, sets
+
+
+def check_specs(checks: list, methods: dict, where: str) -> tuple[dict, ...]:
+    """A config's ``checks``: each ``{"claim", "method", "against", "metric", "at_least", "device"}``: passed when
+    ``metric`` of ``method`` is at least ``at_least`` times that of ``against``; judged only when both ran on
+    ``device`` (optional), else reported as not judged."""
+    for i, check in enumerate(checks):
+        bad = sorted(set(check) - _CHECK_KEYS)
+        if bad:
+            raise ValueError(f"{where}: checks[{i}]: unknown key(s) {', '.join(bad)}; allowed: "
+                             f"{', '.join(sorted(_CHECK_KEYS))}")
+        if check.get("metric") not in CHECK_METRICS:
+            raise ValueError(f"{where}: checks[{i}].metric={check.get('metric')!r} is invalid; allowed: "
+                             f"{', '.join(CHECK_METRICS)}")
+        for key in ("method", "against"):
+            if check.get(key) not in methods:
+                raise ValueError(f"{where}: checks[{i}].{key}={check.get(key)!r} is invalid; allowed: a method of "
+                                 "this config")
+        if not isinstance(check.get("at_least"), (int, float)) or isinstance(check.get("at_least"), bool):
+            raise ValueError(f"{where}: checks[{i}].at_least={check.get('at_least')!r} is invalid; allowed: a number")
+    return tuple(checks)
 
 
 def _bench() -> tuple[dict[str, Preset], dict[str, MethodSpec], dict[str, tuple]]:

@@ -346,6 +346,13 @@ def render_markdown(report: dict) -> str:
     lines.append("")
 
     # -- findings ------------------------------------------------------------------------------------------------------
+    if report.get("checks"):
+        lines += ["## Checks", ""]
+        for c in report["checks"]:
+            verdict = {True: "**passed**", False: "**failed**"}.get(c.get("passed"), c.get("why", "not judged"))
+            measured = f"measured {c['ratio']:.2f}× (at least {c['at_least']:g}× asked), " if "ratio" in c else ""
+            lines.append(f"- {c['claim']}: {measured}{verdict}.")
+        lines.append("")
     lines += ["## Findings (computed from this run)", ""] + [f"- {s}" for s in findings(report)] + [""]
     return "\n".join(lines)
 

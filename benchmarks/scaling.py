@@ -21,7 +21,15 @@ Usage::
     python benchmarks/scaling.py --shapes SmolLM2-135M --seq-lens 128,512 --name quick
     python benchmarks/scaling.py --resume                 # keep finished cells of today's file, run the others
 
-On a GPU, ``benchmarks/gpu_check.py --grid scaling`` runs the same grid in bf16 within a time budget.
+On a GPU, ``--gpu`` runs the same grid on the one GPU under bf16 autocast (``--no-autocast``: fp32), every cell in
+this process with the CUDA peak reset, 10 steps a cell (3 of them warm-up), AdamW at 1e-5 (full-parameter) and 2e-4
+(LoRA); cells whose floor exceeds the GPU's memory (less 2 GiB; ``--gpu-memory-gib``) are recorded as not fitting, and
+no cell starts after ``--budget-s`` (480 s, so that the run with its start-up fits 10 minutes). Results are rewritten
+after every cell (``gpu-scaling.json``/``.md``, ``.png`` at the end). ``--dry-run`` prints the cells and their floors
+and trains nothing (no GPU needed)::
+
+    timeout 590 python benchmarks/scaling.py --gpu --output-dir $OUT        # the day a GPU is lent
+    python benchmarks/scaling.py --gpu --dry-run --gpu-memory-gib 141
 """
 
 from __future__ import annotations
@@ -432,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     p.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)), help="comma-separated row lengths")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
-    p.add_argument("--steps", type=int, default=ScalingSettings.steps, help="optimizer steps per cell (first: warm-up)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps per cell (default {ScalingSettings.steps}, the first a warm-up; --gpu: 10, "
+                   "3 of them warm-up)")
     p.add_argument("--threads", type=int, default=ScalingSettings.threads,
                    help="torch threads per cell (0: torch's default)")
     p.add_argument("--timeout-s", type=float, default=MemoryPolicy.timeout_s, help="wall-clock limit of one cell")
@@ -445,7 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true", help="run the cells in this process (peaks then overlap)")
     p.add_argument("--resume", action="store_true", help="keep the finished cells of the results file; run the rest")
     p.add_argument("--output-dir", default=str(RESULTS_DIR), help="where the results go (default: %(default)s)")
-    p.add_argument("--name", help="file stem of the results (default: <date>-scaling)")
+    p.add_argument("--name", help="file stem of the results (default: <date>-scaling; with --gpu, gpu-scaling)")
+    p.add_argument("--gpu", action="store_true", help="the grid on this machine's one GPU, in this process (above)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="--gpu: memory a cell may use (default: the GPU's total less 2 GiB; without a GPU, with "
+                   "--dry-run, an H200's 141)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="--gpu: no cell starts after this many seconds")
+    p.add_argument("--no-autocast", action="store_true", help="--gpu: fp32 instead of bf16 autocast")
+    p.add_argument("--allow-cpu", action="store_true", help="--gpu without a GPU: the same run on CPU (smoke test)")
+    p.add_argument("--dry-run", action="store_true", help="--gpu: print the cells and their floors, train nothing")
     return p
 
 
@@ -477,15 +495,73 @@ def _resumed_grid(report: dict, settings: ScalingSettings, shapes: dict, seq_len
     return shapes, seq_lens, methods
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def run_on_gpu(ns: argparse.Namespace, argv: list[str], shapes: dict, seq_lens: list, methods: list) -> Optional[dict]:
+    """``--gpu``: the grid on one GPU (bf16 autocast), every cell in this process, within ``--budget-s``."""
+    import torch
+
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    if ns.gpu_memory_gib is not None:
+        limit = ns.gpu_memory_gib
+    elif cuda:
+        limit = torch.cuda.get_device_properties(0).total_memory / GIB - 2
+    else:
+        limit = 141.0 - 2  # the plan of a dry run without a GPU: one H200
+    steps = ns.steps or 10
+    settings = ScalingSettings(steps=steps, warmup_steps=3 if steps > 3 else 1, device="cuda" if cuda else "cpu",
+                               bf16=not ns.no_autocast and (cuda or ns.dry_run), threads=0,
+                               lr_full_parameter=1e-5, lr_adapter=2e-4, chunked_loss=ns.chunked_loss == "true")
+    # one process for every cell: no deferral (the gate equals the limit) and no host-memory guard
+    policy = MemoryPolicy(fit_limit_gib=limit, gate_gib=limit, guard_gib=0.0, defer_wait_s=0.0, available=lambda: None)
+    cells = grid_cells(shapes, seq_lens, methods)
+    if ns.dry_run:
+        print(f"scaling --gpu --dry-run: {len(cells)} cells, limit {limit:.0f} GiB, "
+              f"{'bf16 autocast' if settings.bf16 else 'fp32'}, {settings.steps} steps ({settings.warmup_steps} "
+              "warm-up)")
+        for cell in cells:
+            floor = cell_floor(cell["config"], cell["method"], cell["seq_len"], settings)["total_bytes"]
+            print(f"  {cell_name(cell):<32} floor {floor / GIB:7.2f} GiB  {decide(floor, None, policy)[1] or 'would run'}")
+        return None
+    if not cuda and not ns.allow_cpu:
+        raise SystemExit(f"--gpu: torch {torch.__version__} sees no CUDA device here; nothing was run (--dry-run "
+                         "prints the plan; --allow-cpu runs it on CPU).")
+    out, stem = Path(ns.output_dir), ns.name or "gpu-scaling"
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": "python benchmarks/scaling.py " + " ".join(argv),
+              "settings": asdict(settings), "shapes": shapes, "seq_lens": seq_lens,
+              "methods": list(dict.fromkeys(c["method"] for c in cells)), "in_process": True,
+              "machine": {"gpu": torch.cuda.get_device_name(0) if cuda else None, "torch": torch.__version__,
+                          "gpu_memory_limit_gib": limit, "cpu_cores": os.cpu_count()}}
+
+    def save(rep: dict) -> None:
+        rep["total_seconds"] = time.perf_counter() - started
+        write_outputs(rep, out, stem, plot=False)
+
+    run_grid(cells, settings, policy, report, save, in_process=True, deadline=started + ns.budget_s,
+             log=lambda message: print(message, flush=True))
+    report["total_seconds"] = time.perf_counter() - started
+    paths = write_outputs(report, out, stem)
+    print(render_markdown(report))
+    print(f"Wrote {paths['json']}, {paths['markdown']} and {paths['plot']} in {report['total_seconds']:.0f} s")
+    return report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Optional[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(argv)
     shapes = {s: SHAPES[s] for s in parse_csv(ns.shapes, SHAPES, "--shapes")}
     seq_lens = parse_csv(ns.seq_lens, None, "--seq-lens", int)
     methods = parse_csv(ns.methods, METHODS, "--methods")
-    if ns.steps < 2:
+    if ns.steps is not None and ns.steps < 2:
         raise SystemExit(f"--steps={ns.steps} is invalid; allowed: an integer >= 2 (the first step is a warm-up).")
-    settings = ScalingSettings(steps=ns.steps, threads=ns.threads, chunked_loss=ns.chunked_loss == "true")
+    if ns.gpu:
+        return run_on_gpu(ns, argv, shapes, seq_lens, methods)
+    gpu_only = [flag for flag, given in (("--dry-run", ns.dry_run), ("--no-autocast", ns.no_autocast),
+                                         ("--allow-cpu", ns.allow_cpu), ("--gpu-memory-gib", ns.gpu_memory_gib))
+                if given]
+    if gpu_only:
+        raise SystemExit(f"{', '.join(gpu_only)}: options of --gpu.")
+    settings = ScalingSettings(steps=ns.steps or ScalingSettings.steps, threads=ns.threads,
+                               chunked_loss=ns.chunked_loss == "true")
     policy = replace(MemoryPolicy(), timeout_s=ns.timeout_s, fit_limit_gib=ns.fit_limit_gib,
                      defer_wait_s=ns.defer_wait_s)
     started = _dt.datetime.now()

@@ -450,8 +450,12 @@ def run_one(run, out: Path, config, preset: Preset, exact_match_before: bool, in
 
 def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Optional[str], methods: Optional[str],
                  results_dir: Path, name: Optional[str], in_process: bool, budget_min: Optional[float],
-                 command: str, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    """Run (or continue) the config's methods under ``preset_name`` and write the report; return the report."""
+                 command: str, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+                 dry_run: bool = False) -> Optional[dict]:
+    """Run (or continue) the config's methods under ``preset_name`` and write the report; return the report (with
+    ``dry_run``: print the plan, run nothing, return ``None``)."""
+    import torch
+
     from benchmarks.study import Run, read_results
 
     preset = resolve_preset(config, preset_name, settings, model)
@@ -463,6 +467,15 @@ def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Opti
     if changed:
         raise ValueError(f"{out} holds runs made with other settings ({', '.join(changed)}); give --name for a new "
                          "results file, or remove that one")
+    if dry_run:
+        print(f"{command}\n  would run, each method in its own process: {', '.join(names)}\n  preset {preset_name}: "
+              + ", ".join(f"{k}={v}" for k, v in preset_record(preset).items() if k != "methods")
+              + f"\n  records: {out}" + "".join(f"\n  then the check: {c['claim']}" for c in config.checks))
+        return None
+    if preset.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--preset {preset_name}: device=cuda, and torch {torch.__version__} sees no CUDA device "
+                         "here; nothing was run. Run it on a GPU machine, or add --set device=cpu for a CPU smoke run "
+                         "(its checks are then not judged)")
     deadline = None if budget_min is None else time.time() + 60 * budget_min
     runs = {m: Run(m, preset.lr_adapter if config.methods[m].family == "adapter" else preset.lr_full_parameter,
                    preset.seed, preset_name) for m in names}
@@ -500,6 +513,7 @@ def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Opti
         "total_seconds": sum(r.get("wall_s", 0.0) for r in results),
         "records": out.name,
     }
+    report["checks"] = judge(config.checks, results)
     report["paths"] = write_outputs(report, Path(results_dir), name)
     from benchmarks.report import render_markdown
 
@@ -507,6 +521,39 @@ def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Opti
     log(f"[bench] wrote {report['paths']['markdown']}, {report['paths']['json']} and two plots "
         f"({report['total_seconds']:.0f} s of runs)")
     return report
+
+
+def judge(checks: Sequence[dict], results: list[dict]) -> list[dict]:
+    """Each check of the config with its measured ``ratio`` and ``passed`` (``None``: not judged, ``why`` says)."""
+    ok = {r["method"]: r for r in results if r.get("ok")}
+    judged = []
+    for check in checks:
+        entry = dict(check)
+        missing = [m for m in (check["method"], check["against"]) if m not in ok]
+        if missing:
+            entry.update(passed=None, why=f"not judged: {', '.join(missing)} did not run")
+            judged.append(entry)
+            continue
+        mine, theirs = ok[check["method"]], ok[check["against"]]
+        entry["ratio"] = mine["timing"]["tokens_per_second"] / theirs["timing"]["tokens_per_second"]
+        devices = {mine["device"], theirs["device"]}
+        if check.get("device") and devices != {check["device"]}:
+            entry.update(passed=None, why=f"not judged: measured on {', '.join(sorted(devices))}, the claim is for "
+                         f"{check['device']}")
+        else:
+            entry["passed"] = entry["ratio"] >= check["at_least"]
+        judged.append(entry)
+    return judged
+
+
+#: exit status of a side-by-side run whose methods all ran but a judged check failed (1: a method failed or did not run)
+CHECK_FAILED = 3
+
+
+def exit_status(report: dict) -> int:
+    if not all(r.get("ok") for r in report["results"]):
+        return 1
+    return CHECK_FAILED if any(c.get("passed") is False for c in report.get("checks", [])) else 0
 
 
 def _run_in_child(run, out: Path, config, preset_name: str, settings: dict, model: Optional[str],

@@ -175,6 +175,7 @@ class SideBySideConfig:
     methods: dict  # name -> benchmarks.presets.MethodSpec
     sets: dict[str, tuple[str, ...]]
     results: str  # the results' name: "{date}" and "{machine}" are filled in
+    checks: tuple = ()  # claims judged from the results (benchmarks.presets.check_specs)
     protocol = "side-by-side"
 
 
@@ -183,7 +184,7 @@ class SideBySideConfig:
 PROTOCOLS = ("study", "side-by-side")
 _CONFIG_KEYS = {"extends", "protocol", "description", "task", "presets", "grids", "grid_limits", "methods", "memory",
                 "seeds"}
-_SIDE_BY_SIDE_KEYS = {"extends", "protocol", "description", "results", "presets", "sets", "run", "methods"}
+_SIDE_BY_SIDE_KEYS = {"extends", "protocol", "description", "results", "presets", "sets", "run", "methods", "checks"}
 _METHOD_KEYS = {"name", "kind", "grid", "lr", "options", "parent", "min_steps", "note"}
 
 
@@ -201,15 +202,9 @@ def load_config(path: "str | Path" = DEFAULT_CONFIG) -> "StudyConfig | SideBySid
     def fail(message: str) -> None:
         raise ValueError(f"{path}: {message}")
 
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable JSON study config ({err})") from err
+    raw = _raw_config(path)  # its "extends" chain merged: a file's keys replace its base's
     if not isinstance(raw, dict):
         fail("a study config is a JSON object")
-    if "extends" in raw:  # the base's keys, replaced by this file's
-        with open(path.parent / raw["extends"]) as f:
-            raw = {**json.load(f), **{k: v for k, v in raw.items() if k != "extends"}}
     protocol = raw.get("protocol", "study")
     if protocol not in PROTOCOLS:
         fail(f"protocol={protocol!r} is invalid; allowed: {', '.join(PROTOCOLS)}")
@@ -254,6 +249,20 @@ def load_config(path: "str | Path" = DEFAULT_CONFIG) -> "StudyConfig | SideBySid
                        seeds=None if seeds is None else tuple(seeds))
 
 
+def _raw_config(path: Path, seen: tuple = ()) -> dict:
+    """A config file's JSON with its ``extends`` chain merged (a file's keys replace its base's)."""
+    if path.resolve() in seen:
+        raise ValueError(f"{path}: 'extends' runs in a circle ({' -> '.join(map(str, seen))})")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON study config ({err})") from err
+    if isinstance(raw, dict) and "extends" in raw:
+        base = _raw_config(path.parent / raw["extends"], (*seen, path.resolve()))
+        raw = {**base, **{k: v for k, v in raw.items() if k != "extends"}}
+    return raw
+
+
 def _side_by_side_config(path: Path, raw: dict) -> SideBySideConfig:
     from benchmarks.presets import side_by_side_settings
 
@@ -262,7 +271,8 @@ def _side_by_side_config(path: Path, raw: dict) -> SideBySideConfig:
         raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SIDE_BY_SIDE_KEYS))}")
     presets, methods, sets = side_by_side_settings(raw, str(path))
     return SideBySideConfig(name=path.stem, path=str(path), description=raw.get("description", ""), presets=presets,
-                            methods=methods, sets=sets, results=raw.get("results", "{date}-{machine}-" + path.stem))
+                            methods=methods, sets=sets, results=raw.get("results", "{date}-{machine}-" + path.stem),
+                            checks=tuple(raw.get("checks") or ()))
 
 
 #: the study of issue 37 (``benchmarks/configs/study.json``): the defaults of the functions below
@@ -492,6 +502,7 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
                         "(repeatable; fields: benchmarks/presets.py Preset)")
     parser.add_argument("--in-process", action="store_true",
                         help="side-by-side: every method in this process (fast start; peak memory is then shared)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, and run nothing")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--exact-match-before", action="store_true", help=argparse.SUPPRESS)
@@ -521,7 +532,8 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
                 sys.exit(0 if record["ok"] else 1)
             return side_by_side.run_protocol(
                 config, preset_name, settings, args.model, args.methods, Path(args.results_dir or RESULTS_DIR.parent),
-                args.name, args.in_process, args.budget_min, "python benchmarks/study.py " + " ".join(argv))
+                args.name, args.in_process, args.budget_min, "python benchmarks/study.py " + " ".join(argv),
+                dry_run=args.dry_run)
         except ValueError as err:
             parser.error(str(err))
     given = [flag for flag, value in (("--methods", args.methods), ("--set", args.settings),
@@ -540,6 +552,13 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
     name = args.name or f"{config.name}-{preset_name}"
     directory = Path(args.results_dir or RESULTS_DIR)
     out = directory / (f"{name}-memory.jsonl" if args.memory else f"{name}.jsonl")
+    if args.dry_run:
+        results = read_results(out)
+        todo = ([r for r in config.memory_runs(preset_name) if r.key not in results] if args.memory
+                else plan(preset_name, results, config))
+        print(f"{len(todo)} run(s) can start now ({len(results)} recorded in {out}); more are planned as grids "
+              "decide:\n" + "\n".join(f"  {r.key}" for r in todo))
+        return None
     if not args.report:
         study(preset_name, out, args.model, args.budget_min, args.jobs or config.preset(preset_name).jobs,
               args.memory, config)
@@ -552,4 +571,7 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
 
 if __name__ == "__main__":
     report = main()
-    sys.exit(0 if report is None or all(r.get("ok") for r in report["results"]) else 1)
+    if report is not None:
+        from benchmarks.side_by_side import exit_status
+
+        sys.exit(exit_status(report))

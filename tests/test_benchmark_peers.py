@@ -9,7 +9,6 @@ fails here. A last test runs the methods no other benchmark test runs, so every 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -178,33 +177,36 @@ def test_every_method_of_the_harness_runs_on_a_tiny_model(tiny, tmp_path):
         assert r["evals"][-1][1] < r["evals"][0][1], r["method"]
 
 
-def test_gpu_check_plans_the_peer_comparison_and_skips_without_a_gpu(tmp_path, capsys):
-    from benchmarks import gpu_check
+GPU_CHECK = str(REPO_ROOT / "benchmarks" / "configs" / "gpu-check.json")
 
-    assert gpu_check.main(["--dry_run"]) == 0
+
+def test_the_gpu_check_plans_the_peer_comparison_and_refuses_without_a_gpu(tmp_path, capsys):
+    assert study.main(["--config", GPU_CHECK, "--dry-run", "--results-dir", str(tmp_path)]) is None
     plan = capsys.readouterr().out
-    assert "benchmarks/study.py --config " in plan and "/benchmarks/configs/peers.json" in plan
-    assert "--preset gpu --methods peers --set device=cuda --set steps=100 --set timing_warmup_steps=10" in plan
-    assert ", ".join(PEER_COMPARISON) in plan and "LISA tokens/s >= 1.5 x LoRA's" in plan
-    if not torch.cuda.is_available():  # the CI machines: nothing measured, said so, exit status 0
-        assert gpu_check.main(["--output", str(tmp_path)]) == 0
-        assert json.loads((tmp_path / "gpu_check.json").read_text())["status"] == "skipped"
+    assert f"would run, each method in its own process: {', '.join(PEER_COMPARISON)}" in plan
+    assert "steps=100" in plan and "device=cuda" in plan and "bf16=True" in plan
+    assert "then the check: LISA tokens/s >= 1.5 x LoRA's" in plan
+    if not torch.cuda.is_available():  # the CI machines: nothing run, said so, nothing written
+        with pytest.raises(SystemExit):
+            study.main(["--config", GPU_CHECK, "--results-dir", str(tmp_path)])
+        assert "device=cuda, and torch" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_gpu_check_runs_the_harness_and_reports_tokens_per_second_against_lora(tiny, tmp_path):
-    from benchmarks import gpu_check
-
+def test_the_gpu_check_judges_its_claim_only_on_the_gpu(tiny, tmp_path):
     _, model_dir, data = tiny
-    rc = gpu_check.main(["--output", str(tmp_path), "--allow_cpu", "--in_process", "--model", model_dir, "--data", data,
-                         "--steps", "3", "--warmup", "1", "--eval_every", "3", "--exact_match_samples", "0",
-                         "--methods", "lisa,lora", "--batch_size", "2", "--seq_len", "64",
-                         "--lora_r", str(RANK), "--lisa_interval_steps", str(K)])
-    assert rc == 0
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    harness = json.loads((tmp_path / "gpu-compare.json").read_text())
-    speed = {r["method"]: r["timing"]["tokens_per_second"] for r in harness["results"]}
-    assert [row["method"] for row in summary["rows"]] == ["lisa", "lora"]
-    assert {row["method"]: row["tokens_per_second"] for row in summary["rows"]} == speed
-    assert summary["check"]["speedup"] == speed["lisa"] / speed["lora"]
-    assert summary["check"]["passed"] is None  # a CPU run judges nothing
-    assert "not judged" in (tmp_path / "gpu_check.md").read_text()
+    settings = {**SETTINGS, "data": data, "device": "cpu", "bf16": False, "exact_match_samples": 0}
+    report = study.main(["--config", GPU_CHECK, "--methods", "lisa,lora", "--model", model_dir, "--in-process",
+                         "--results-dir", str(tmp_path), "--name", "check",
+                         *[arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]])
+    speed = {r["method"]: r["timing"]["tokens_per_second"] for r in report["results"]}
+    (check,) = report["checks"]
+    assert check["ratio"] == speed["lisa"] / speed["lora"]
+    assert check["passed"] is None and check["why"] == "not judged: measured on cpu, the claim is for cuda"
+    assert side_by_side.exit_status(report) == 0
+    markdown = (tmp_path / "check.md").read_text()
+    assert f"- LISA tokens/s >= 1.5 x LoRA's (the LISA paper's speed claim): measured {check['ratio']:.2f}×" in markdown
+    # judged where it was measured: the verdict, and the exit status of a failed claim
+    failed = side_by_side.judge([{**check, "device": "cpu", "at_least": check["ratio"] * 2}], report["results"])
+    assert failed[0]["passed"] is False
+    assert side_by_side.exit_status({**report, "checks": failed}) == side_by_side.CHECK_FAILED

@@ -174,17 +174,18 @@ def test_cells_run_in_their_own_process_and_a_timeout_is_recorded(tmp_path):
     assert timed["status"] == "timed-out" and timed["reason"].startswith("timed out after 1 s (0 of 2 steps done)")
 
 
-def test_gpu_check_grid_dry_run_plans_every_cell(capsys):
-    from benchmarks import gpu_check
-
-    assert gpu_check.main(["--grid", "scaling", "--dry_run", "--gpu_memory_gib", "20"]) == 0
+def test_the_gpu_grid_dry_run_plans_every_cell(capsys):
+    assert scaling.main(["--gpu", "--dry-run", "--gpu-memory-gib", "20"]) is None
     out = capsys.readouterr().out
     assert "27 cells, limit 20 GiB, bf16 autocast, 10 steps (3 warm-up)" in out
     lines = [line for line in out.splitlines() if " floor " in line]
     assert len(lines) == 27
     assert all("does not fit" in line for line in lines if "SmolLM2-1.7B" in line and " full " in line)
     assert all("would run" in line for line in lines if "SmolLM2-135M" in line)
-    assert gpu_check.main(["--grid", "scaling", "--dry_run", "--grid_shapes", "SmolLM2-7B"]) == 2
+    with pytest.raises(SystemExit, match="--shapes='SmolLM2-7B' is invalid"):
+        scaling.main(["--gpu", "--dry-run", "--shapes", "SmolLM2-7B"])
+    with pytest.raises(SystemExit, match="--dry-run: options of --gpu"):
+        scaling.main(["--dry-run"])
 
 
 def test_resuming_a_subset_keeps_the_whole_grid_and_refuses_other_settings():

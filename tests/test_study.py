@@ -239,6 +239,10 @@ def test_a_wrong_config_is_refused_naming_the_key(tmp_path, change, words):
      "methods[x]: unknown key(s) rank"),
     ({"methods": [{"name": "x", "train_method": "lora", "family": "adaptor"}]},
      "methods[x].family='adaptor' is invalid; allowed: full-parameter, adapter"),
+    ({"checks": [{"claim": "c", "method": "lisa", "against": "lorra", "metric": "tokens_per_second", "at_least": 1}]},
+     "checks[0].against='lorra' is invalid; allowed: a method of this config"),
+    ({"checks": [{"claim": "c", "method": "lisa", "against": "lora", "metric": "speed", "at_least": 1}]},
+     "checks[0].metric='speed' is invalid; allowed: tokens_per_second"),
 ])
 def test_a_wrong_side_by_side_config_is_refused_naming_the_key(tmp_path, change, words):
     path = tmp_path / "bad.json"
