@@ -520,7 +520,8 @@ def run_on_gpu(ns: argparse.Namespace, argv: list[str], shapes: dict, seq_lens: 
               "warm-up)")
         for cell in cells:
             floor = cell_floor(cell["config"], cell["method"], cell["seq_len"], settings)["total_bytes"]
-            print(f"  {cell_name(cell):<32} floor {floor / GIB:7.2f} GiB  {decide(floor, None, policy)[1] or 'would run'}")
+            verdict = decide(floor, None, policy)[1] or "would run"
+            print(f"  {cell_name(cell):<32} floor {floor / GIB:7.2f} GiB  {verdict}")
         return None
     if not cuda and not ns.allow_cpu:
         raise SystemExit(f"--gpu: torch {torch.__version__} sees no CUDA device here; nothing was run (--dry-run "

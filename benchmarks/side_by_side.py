@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from benchmarks.measure import (
-    child_pythonpath, cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
+    cpu_name, current_rss_bytes, load_average, make_recorder, schedule_reader, state_kind, withheld_reader,
 )
 from benchmarks.presets import METHODS, MethodSpec, Preset
 
@@ -494,10 +493,11 @@ def run_protocol(config, preset_name: str, settings: dict[str, Any], model: Opti
         if in_process:
             result = run_one(run, out, config, preset, index == 0, in_process=True)
         else:
-            result = _run_in_child(run, out, config, preset_name, settings, model, index == 0)
+            result = _run_in_child(run, out, config, settings, model, index == 0)
         _log_result(result, log)
     records = read_results(out)
-    results = [records[runs[m].key] if runs[m].key in records else {"method": m, "ok": False, "error": skipped[m]}
+    results = [records[runs[m].key] if runs[m].key in records else
+               {"method": m, "ok": False, "error": skipped.get(m, "not recorded (killed): it runs again next time")}
                for m in names]
     report = {
         "date": started.isoformat(timespec="seconds"),
@@ -556,32 +556,14 @@ def exit_status(report: dict) -> int:
     return CHECK_FAILED if any(c.get("passed") is False for c in report.get("checks", [])) else 0
 
 
-def _run_in_child(run, out: Path, config, preset_name: str, settings: dict, model: Optional[str],
-                  exact_match_before: bool) -> dict:
-    from benchmarks.study import read_results
+def _run_in_child(run, out: Path, config, settings: dict, model: Optional[str], exact_match_before: bool) -> dict:
+    from benchmarks.study import launch, read_results
 
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "study.py"), "--config", config.path, "--preset",
-               preset_name, "--run-one", json.dumps(asdict(run)), "--out", str(out)]
-    for key, value in settings.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    if model:
-        command += ["--model", model]
-    if exact_match_before:
-        command.append("--exact-match-before")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
-    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))
-    # the child's own output goes to our stderr: stdout carries only the table
-    proc = subprocess.run(command, cwd=str(REPO_ROOT), env=env, stdout=sys.stderr, stderr=sys.stderr)
-    record = read_results(out).get(run.key)
-    if record is None:  # a crash before the child could record anything
-        from benchmarks.study import append_record
-
-        record = {"method": run.method, "ok": False, "key": run.key, "run": asdict(run),
-                  "error": f"worker exited with code {proc.returncode} and wrote no result"}
-        if proc.returncode < 0:  # killed by a signal: the machine's failure, planned again next time
-            record["infrastructure"] = True
-        append_record(out, record)
-    return record
+    extra = [arg for key, value in settings.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+    launch(run, out, model, None, config, (*extra, *(["--exact-match-before"] if exact_match_before else [])),
+           echo=True)  # the child's output goes to our stderr: stdout carries only the table
+    return read_results(out).get(run.key) or {  # a kill is the machine's failure, not a result: it runs again
+        "method": run.method, "ok": False, "error": "killed by a signal before it recorded; it runs again next time"}
 
 
 def _log_result(result: dict, log: Callable[[str], None]) -> None:

@@ -190,7 +190,8 @@ _METHOD_KEYS = {"name", "kind", "grid", "lr", "options", "parent", "min_steps", 
 
 def load_config(path: "str | Path" = DEFAULT_CONFIG) -> "StudyConfig | SideBySideConfig":
     """A study from its JSON file. ``protocol``: ``study`` (the default) or ``side-by-side`` (its keys:
-    :func:`benchmarks.presets.side_by_side_settings`, and ``results``, the results' name). A study's keys: ``description``; ``task`` (``instructions``: the task a run trains on);
+    :func:`benchmarks.presets.side_by_side_settings`, and ``results``, the results' name). A study's keys:
+    ``description``; ``task`` (``instructions``: the task a run trains on);
     ``presets`` (name -> :class:`Preset` fields); ``grids`` (name -> the first rates tried); ``grid_limits`` (how far
     a grid may be extended); ``methods`` (a list, in the report's order: ``name``, ``kind`` (one of :data:`KINDS`),
     ``grid`` (a grid's name or a list of rates) or ``lr`` (one fixed rate) or ``parent`` (a diagnostic: one seed at
@@ -268,7 +269,8 @@ def _side_by_side_config(path: Path, raw: dict) -> SideBySideConfig:
 
     unknown = sorted(set(raw) - _SIDE_BY_SIDE_KEYS)
     if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_SIDE_BY_SIDE_KEYS))}")
+        raise ValueError(f"{path}: unknown key(s) {', '.join(unknown)}; allowed: "
+                         f"{', '.join(sorted(_SIDE_BY_SIDE_KEYS))}")
     presets, methods, sets = side_by_side_settings(raw, str(path))
     return SideBySideConfig(name=path.stem, path=str(path), description=raw.get("description", ""), presets=presets,
                             methods=methods, sets=sets, results=raw.get("results", "{date}-{machine}-" + path.stem),
@@ -406,27 +408,38 @@ def append_record(path: Path, record: dict) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def launch(run: Run, out: Path, model: Optional[str], threads: int, config: StudyConfig = CONFIG) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+def launch(run: Run, out: Path, model: Optional[str], threads: Optional[int],
+           config: "StudyConfig | SideBySideConfig" = CONFIG, extra_args: tuple[str, ...] = (), echo: bool = False) -> None:
+    """Run ``run`` in a child process (``study.py --run-one``), which records it in ``out``; a child that ends without
+    a record of its own (a crash, a kill) is recorded here. ``echo``: the child's output goes to stderr as it comes
+    (the side-by-side protocol), else to a file, kept in the record of a crash (the study)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     command = [sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(run)), "--out", str(out),
-               "--config", config.path]
+               "--config", config.path, "--preset", run.preset, *extra_args]
     if model:
         command += ["--model", model]
-    infrastructure_before = infrastructure_failures(out).get(run.key, 0)
+    records_before = len(_records(out))
     started = time.time()
-    # the child's output goes to a file, not a pipe: a run outlives its parent's restart (a pipe would break under it)
-    with tempfile.TemporaryFile("w+") as log:
-        completed = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        log.seek(0)
-        output = log.read()
-    recorded = run.key in read_results(out) or infrastructure_failures(out).get(run.key, 0) > infrastructure_before
-    if completed.returncode != 0 and not recorded:  # the child records its own failures; this covers a crash
-        record = {"key": run.key, "run": asdict(run), "error": output[-2000:],
+    if echo:
+        completed = subprocess.run(command, env=env, stdout=sys.stderr, stderr=sys.stderr)
+        output = ""
+    else:  # the child's output goes to a file, not a pipe: a run outlives its parent's restart (a pipe would break)
+        with tempfile.TemporaryFile("w+") as log:
+            completed = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            log.seek(0)
+            output = log.read()
+    recorded = any(record["key"] == run.key for record in _records(out)[records_before:])
+    if not recorded:  # the child records its own results and failures; this covers a crash
+        record = {"key": run.key, "run": asdict(run), "method": run.method, "ok": False,
+                  "error": output[-2000:] or f"the run exited with code {completed.returncode} and wrote no record",
                   "returncode": completed.returncode, "wall_s": time.time() - started}
         if completed.returncode < 0:  # killed by a signal (the session ending, a kill): the machine's, run again
             record.update(infrastructure=True, error=f"killed by signal {-completed.returncode}; " + output[-1800:])
         append_record(out, record)  # an exit status without a record of the child's own: a failed run, a result
-    print(f"[study] {run.key}: exit {completed.returncode} after {time.time() - started:.0f} s", flush=True)
+    print(f"[study] {run.key}: exit {completed.returncode} after {time.time() - started:.0f} s", flush=True,
+          file=sys.stderr if echo else sys.stdout)
 
 
 def study(preset_name: str, out: Path, model: Optional[str], budget_min: Optional[float], jobs: int,
@@ -498,7 +511,8 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
                         help="side-by-side: comma-separated methods of the config, or one of its sets (default: its "
                         "'run' set)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
-                        help="side-by-side: a preset field for every method, e.g. --set steps=20 --set data=train.jsonl "
+                        help="side-by-side: a preset field for every method, e.g. --set steps=20 "
+                        "--set data=train.jsonl "
                         "(repeatable; fields: benchmarks/presets.py Preset)")
     parser.add_argument("--in-process", action="store_true",
                         help="side-by-side: every method in this process (fast start; peak memory is then shared)")
