@@ -35,8 +35,6 @@ from benchmarks.measure import (
 )
 from benchmarks.presets import METHODS, MethodSpec, Preset
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 #: preset fields that must be integers of at least 1
 _POSITIVE = ("steps", "batch_size", "seq_len", "eval_every", "eval_samples", "lisa_activated_layers",
              "lisa_interval_steps", "lora_r")
